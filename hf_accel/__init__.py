@@ -1,0 +1,51 @@
+"""hf_accel: fast causal-LM inference for Hugging Face Transformers, without touching model code.
+
+Quick start::
+
+    import hf_accel
+    model = hf_accel.patch_model(model)          # lossless features only
+    out = model.generate(**inputs, max_new_tokens=64)
+"""
+
+from .config import AccelConfig, CompileConfig, FusedMLPConfig, Int8Config, PagedConfig, SpeculativeConfig
+from .errors import (
+    AlreadyPatchedError,
+    CacheFullError,
+    DefaultModelNotInstalledError,
+    FeatureNotAvailableError,
+    HFAccelError,
+    IncompatibleOptionsError,
+    NotPatchedError,
+    UnsupportedModelError,
+)
+from .fused import FusedGatedMLP
+from .models import load_default
+from .patch import is_patched, patch_model, patch_report, unpatch_model
+from .registry import supported_model_types
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccelConfig",
+    "AlreadyPatchedError",
+    "CacheFullError",
+    "CompileConfig",
+    "DefaultModelNotInstalledError",
+    "FeatureNotAvailableError",
+    "FusedGatedMLP",
+    "FusedMLPConfig",
+    "HFAccelError",
+    "IncompatibleOptionsError",
+    "Int8Config",
+    "NotPatchedError",
+    "PagedConfig",
+    "SpeculativeConfig",
+    "UnsupportedModelError",
+    "__version__",
+    "is_patched",
+    "load_default",
+    "patch_model",
+    "patch_report",
+    "supported_model_types",
+    "unpatch_model",
+]

@@ -1,0 +1,241 @@
+"""Frozen, validated configuration objects: one per feature, composed into :class:`AccelConfig`.
+
+Every dataclass validates itself on construction and names the bad field in its error message.
+A feature set to ``None`` in :class:`AccelConfig` is off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .errors import IncompatibleOptionsError
+
+__all__ = [
+    "AccelConfig",
+    "CompileConfig",
+    "FusedMLPConfig",
+    "Int8Config",
+    "PagedConfig",
+    "SpeculativeConfig",
+]
+
+
+def _fail(cls: type, name: str, rule: str, value: Any) -> None:
+    raise IncompatibleOptionsError(f"{cls.__name__}.{name} {rule}, got {value!r}")
+
+
+def _check_int(obj: Any, name: str, *, minimum: int, optional: bool = False) -> None:
+    value = getattr(obj, name)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        rule = f"must be an int >= {minimum}" + (" or None" if optional else "")
+        _fail(type(obj), name, rule, value)
+
+
+def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        _fail(type(obj), name, f"must be one of {', '.join(map(repr, choices))}", value)
+
+
+def _check_bool(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, bool):
+        _fail(type(obj), name, "must be a bool", value)
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Paged KV cache options.
+
+    Args:
+        block_size: tokens per KV block.
+        num_blocks: blocks in the pool; ``None`` sizes the pool from ``max_memory``.
+        max_memory: bytes the pool may reserve; ``None`` picks a budget from free memory.
+        prefix_cache: keep full prompt blocks across ``generate`` calls and reuse matching prefixes.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_memory: int | None = None
+    prefix_cache: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int(self, "block_size", minimum=1)
+        _check_int(self, "num_blocks", minimum=1, optional=True)
+        _check_int(self, "max_memory", minimum=1, optional=True)
+        _check_bool(self, "prefix_cache")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative generation options.
+
+    Args:
+        strategy: ``"prompt_lookup"``, ``"draft"`` or ``"self"``.
+        num_tokens: initial number of draft tokens proposed per step.
+        adaptive: grow/shrink the number of draft tokens per sequence from acceptance.
+        max_ngram: longest n-gram matched by prompt lookup.
+    """
+
+    strategy: str = "prompt_lookup"
+    num_tokens: int = 5
+    adaptive: bool = True
+    max_ngram: int = 3
+
+    STRATEGIES: ClassVar[tuple[str, ...]] = ("prompt_lookup", "draft", "self")
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "strategy", self.STRATEGIES)
+        _check_int(self, "num_tokens", minimum=1)
+        _check_int(self, "max_ngram", minimum=1)
+        _check_bool(self, "adaptive")
+
+
+@dataclass(frozen=True)
+class FusedMLPConfig:
+    """Fused gated-MLP options.
+
+    Args:
+        eager: run the fused MLP without ``torch.compile`` even when compilation is on.
+    """
+
+    eager: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "eager")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """``torch.compile`` options (mirrors the arguments of ``torch.compile``).
+
+    Args:
+        mode: ``"default"``, ``"reduce-overhead"``, ``"max-autotune"`` or ``"max-autotune-no-cudagraphs"``.
+        dynamic: let the compiler treat shapes as dynamic.
+        fullgraph: fail on graph breaks instead of splitting the graph.
+        decode_step: also compile the whole decode step where the cache has static shapes.
+    """
+
+    mode: str = "default"
+    dynamic: bool = False
+    fullgraph: bool = False
+    decode_step: bool = True
+
+    MODES: ClassVar[tuple[str, ...]] = (
+        "default",
+        "reduce-overhead",
+        "max-autotune",
+        "max-autotune-no-cudagraphs",
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "mode", self.MODES)
+        for name in ("dynamic", "fullgraph", "decode_step"):
+            _check_bool(self, name)
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """Weight-only int8 options (lossy: never enabled by default).
+
+    Args:
+        backend: ``"auto"``, ``"native"`` (hf_accel kernels) or ``"bitsandbytes"``.
+        group_size: quantize per group of this many input features; ``None`` = one scale per output row.
+        skip_modules: glob patterns of module names left in float.
+        keep_original: keep the float weights so ``unpatch_model`` restores them exactly.
+        threshold: outlier threshold of the bitsandbytes backend (LLM.int8()).
+    """
+
+    backend: str = "auto"
+    group_size: int | None = None
+    skip_modules: tuple[str, ...] = ()
+    keep_original: bool = False
+    threshold: float = 6.0
+
+    BACKENDS: ClassVar[tuple[str, ...]] = ("auto", "native", "bitsandbytes")
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "backend", self.BACKENDS)
+        _check_int(self, "group_size", minimum=1, optional=True)
+        _check_bool(self, "keep_original")
+        if isinstance(self.skip_modules, str) or not all(isinstance(p, str) for p in self.skip_modules):
+            _fail(type(self), "skip_modules", "must be a tuple of glob strings", self.skip_modules)
+        object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+        if (
+            isinstance(self.threshold, bool)
+            or not isinstance(self.threshold, (int, float))
+            or self.threshold < 0
+        ):
+            _fail(type(self), "threshold", "must be a number >= 0", self.threshold)
+
+
+#: feature name -> config class; the order is the order in which features are applied.
+FEATURE_CONFIGS: dict[str, type] = {
+    "int8": Int8Config,
+    "fused_mlp": FusedMLPConfig,
+    "paged": PagedConfig,
+    "speculative": SpeculativeConfig,
+    "compile": CompileConfig,
+}
+
+
+@dataclass(frozen=True)
+class AccelConfig:
+    """All hf_accel features of one patch. A field set to ``None`` turns that feature off.
+
+    Args:
+        paged: paged KV cache.
+        speculative: speculative generation.
+        fused_mlp: fused gated MLPs.
+        compile: ``torch.compile`` of the fused MLPs / decode step.
+        int8: weight-only int8 (lossy).
+    """
+
+    paged: PagedConfig | None = None
+    speculative: SpeculativeConfig | None = None
+    fused_mlp: FusedMLPConfig | None = None
+    compile: CompileConfig | None = None
+    int8: Int8Config | None = None
+
+    def __post_init__(self) -> None:
+        for name, cls in FEATURE_CONFIGS.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise IncompatibleOptionsError(
+                    f"AccelConfig.{name} must be a {cls.__name__} or None, got {type(value).__name__}"
+                )
+
+    def enabled(self) -> list[str]:
+        """Names of the features that are on, in application order."""
+        return [name for name in FEATURE_CONFIGS if getattr(self, name) is not None]
+
+    def with_overrides(self, **overrides: Any) -> AccelConfig:
+        """Return a copy with feature switches replaced.
+
+        Args:
+            **overrides: feature name -> ``True`` (default config), ``False``/``None`` (off) or a config object.
+
+        Raises:
+            IncompatibleOptionsError: unknown feature name or a value of the wrong type.
+        """
+        changes: dict[str, Any] = {}
+        for name, value in overrides.items():
+            cls = FEATURE_CONFIGS.get(name)
+            if cls is None:
+                raise IncompatibleOptionsError(
+                    f"unknown hf_accel feature {name!r}; known features: {', '.join(FEATURE_CONFIGS)}"
+                )
+            if value is True:
+                value = cls()
+            elif value is False:
+                value = None
+            elif value is not None and not isinstance(value, cls):
+                raise IncompatibleOptionsError(
+                    f"feature {name!r} takes a bool or a {cls.__name__}, got {type(value).__name__}"
+                )
+            changes[name] = value
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,5 @@
+"""Fused gated MLPs."""
+
+from .mlp import FusedGatedMLP
+
+__all__ = ["FusedGatedMLP"]

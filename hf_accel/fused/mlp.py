@@ -1,0 +1,71 @@
+"""A gated MLP with the gate and up projections fused into one matrix multiply.
+
+``down(act(gate(x)) * up(x))`` becomes ``down(act(g) * u)`` with ``[g, u] = x @ [W_gate; W_up]^T``: one
+read of the activations for both projections and one kernel launch instead of two. The fused weight is a
+single tensor whose two halves *are* the original ``gate_proj``/``up_proj`` parameters (views, no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FusedGatedMLP"]
+
+
+class FusedGatedMLP(nn.Module):
+    """Gated MLP computing ``down(act(gate) * up)`` from one fused ``[gate; up]`` projection.
+
+    Args:
+        gate_up_weight: ``[2 * I, H]`` fused weight, gate rows first.
+        gate_up_bias: ``[2 * I]`` fused bias or ``None``.
+        down_proj: the ``I -> H`` projection (shared with the original module).
+        act_fn: the activation module (shared with the original module).
+
+    Shapes:
+        input ``[..., H]`` -> output ``[..., H]``.
+    """
+
+    def __init__(
+        self,
+        gate_up_weight: nn.Parameter,
+        gate_up_bias: nn.Parameter | None,
+        down_proj: nn.Module,
+        act_fn: nn.Module,
+    ) -> None:
+        super().__init__()
+        if gate_up_weight.dim() != 2 or gate_up_weight.shape[0] % 2:
+            raise ValueError(f"gate_up_weight must be [2*I, H], got {tuple(gate_up_weight.shape)}")
+        self.intermediate_size = gate_up_weight.shape[0] // 2
+        self.gate_up_weight = gate_up_weight
+        self.gate_up_bias = gate_up_bias
+        self.down_proj = down_proj
+        self.act_fn = act_fn
+
+    @classmethod
+    def fuse_weights(cls, gate: nn.Linear, up: nn.Linear) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """Concatenate two projections' weights (and biases) into fresh ``[2I, H]`` / ``[2I]`` parameters."""
+        if gate.weight.shape != up.weight.shape:
+            raise ValueError(
+                f"gate {tuple(gate.weight.shape)} and up {tuple(up.weight.shape)} differ in shape"
+            )
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("gate and up projections must both have a bias or both have none")
+        weight = nn.Parameter(
+            torch.cat([gate.weight.detach(), up.weight.detach()], dim=0), requires_grad=False
+        )
+        bias = None
+        if gate.bias is not None:
+            bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., H] -> gate_up: [..., 2I]
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [..., I]
+        return self.down_proj(self.act_fn(gate) * up)  # [..., H]
+
+    def extra_repr(self) -> str:
+        hidden = self.gate_up_weight.shape[1]
+        return f"hidden={hidden}, intermediate={self.intermediate_size}, bias={self.gate_up_bias is not None}"

@@ -1,0 +1,164 @@
+"""``patch_model`` / ``unpatch_model``: the one entry point every feature plugs into.
+
+A patch walks the architecture spec (:mod:`hf_accel.registry`), applies each enabled feature through a
+:class:`~hf_accel.recorder.Recorder`, and binds a ``generate`` wrapper on the instance. Nothing is ever
+assigned to a Transformers class. ``unpatch_model`` replays the recorder backwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .config import AccelConfig, FusedMLPConfig
+from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
+from .fused.apply import apply_fused_mlp
+from .generate import GenerateKwarg, bind_generate
+from .recorder import Recorder
+from .registry import ModelParts, resolve
+
+__all__ = ["PatchState", "is_patched", "patch_model", "patch_report", "unpatch_model"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_hf_accel_state"
+
+Applier = Callable[[nn.Module, ModelParts, Any, Recorder], None]
+
+
+@dataclass(frozen=True)
+class _Feature:
+    apply: Applier | None  # None: not implemented in this version
+    lossless: bool
+
+
+#: Feature name -> implementation. Order of application follows ``config.FEATURE_CONFIGS``.
+FEATURES: dict[str, _Feature] = {
+    "int8": _Feature(None, lossless=False),
+    "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
+    "paged": _Feature(None, lossless=True),
+    "speculative": _Feature(None, lossless=True),
+    "compile": _Feature(None, lossless=True),
+}
+
+
+def default_config() -> AccelConfig:
+    """The config ``patch_model(model)`` uses: every implemented lossless feature, with its defaults."""
+    return AccelConfig(fused_mlp=FusedMLPConfig())
+
+
+@dataclass
+class PatchState:
+    """What a patch changed on one model instance (stored on the instance)."""
+
+    config: AccelConfig
+    model_type: str
+    recorder: Recorder
+    generate_kwargs: dict[str, GenerateKwarg] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def _get_state(model: nn.Module) -> PatchState | None:
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` currently carries an hf_accel patch."""
+    return _get_state(model) is not None
+
+
+def _check_available(config: AccelConfig) -> None:
+    for name in config.enabled():
+        if FEATURES[name].apply is None:
+            raise FeatureNotAvailableError(
+                f"feature {name!r} is not implemented in this version of hf_accel; "
+                f"available features: {', '.join(n for n, f in FEATURES.items() if f.apply is not None)}"
+            )
+
+
+def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_overrides: Any) -> nn.Module:
+    """Patch a Transformers causal LM instance in place.
+
+    Args:
+        model: a ``*ForCausalLM`` model whose ``config.model_type`` is in the registry.
+        config: the features to turn on; default: every implemented lossless feature.
+        **feature_overrides: per-feature switches applied on top of ``config``: ``paged=``, ``speculative=``,
+            ``fused_mlp=``, ``compile=``, ``int8=``; each ``True``/``False`` or that feature's config object.
+
+    Returns:
+        The same ``model`` object, patched.
+
+    Raises:
+        UnsupportedModelError: not a causal LM or an unsupported architecture.
+        AlreadyPatchedError: the model is already patched.
+        IncompatibleOptionsError: unknown feature name or a config of the wrong type.
+        FeatureNotAvailableError: a requested feature is not implemented here.
+
+    Side effects:
+        Replaces submodules / binds methods on this instance only; ``unpatch_model`` reverses all of it.
+    """
+    if is_patched(model):
+        raise AlreadyPatchedError(
+            f"{type(model).__name__} is already patched by hf_accel; call hf_accel.unpatch_model(model) first"
+        )
+    if config is not None and not isinstance(config, AccelConfig):
+        raise IncompatibleOptionsError(f"config must be an AccelConfig or None, got {type(config).__name__}")
+    config = (config or default_config()).with_overrides(**feature_overrides)
+    parts = resolve(model)
+    _check_available(config)
+    recorder = Recorder()
+    state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder)
+    try:
+        for name in config.enabled():
+            FEATURES[name].apply(model, parts, getattr(config, name), recorder)
+        bind_generate(model, state, recorder)
+        recorder.set_instance_attr("core", model, _STATE_ATTR, state, "patch state attached")
+    except BaseException:
+        recorder.undo()
+        raise
+    logger.info(
+        "hf_accel: patched %s with %s", type(model).__name__, ", ".join(config.enabled()) or "no features"
+    )
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model`: the original modules, parameters and methods come back.
+
+    Returns:
+        The same ``model`` object; its logits are bitwise identical to before the patch.
+
+    Raises:
+        NotPatchedError: the model is not patched.
+    """
+    state = _get_state(model)
+    if state is None:
+        raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; nothing to unpatch")
+    state.recorder.undo()
+    return model
+
+
+def patch_report(model: nn.Module) -> dict[str, Any]:
+    """Describe the patch on ``model``.
+
+    Returns:
+        ``{"model_type": str, "features": {name: config as dict}, "changes": {feature: {change: count}},
+        "generate_kwargs": [names]}``.
+
+    Raises:
+        NotPatchedError: the model is not patched.
+    """
+    state = _get_state(model)
+    if state is None:
+        raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; there is no report")
+    return {
+        "model_type": state.model_type,
+        "features": {n: dataclasses.asdict(getattr(state.config, n)) for n in state.config.enabled()},
+        "changes": state.recorder.counts(),
+        "generate_kwargs": sorted(state.generate_kwargs),
+    }

@@ -1,0 +1,88 @@
+"""A journal of every change a patch makes to one model instance, so that it can be undone exactly.
+
+Features never mutate a model directly; they call :class:`Recorder` methods, which apply the change and
+remember how to reverse it. :meth:`Recorder.undo` reverses everything in the opposite order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Recorder"]
+
+_MISSING = object()
+
+
+@dataclass
+class _Change:
+    feature: str
+    what: str
+    undo: Callable[[], None]
+
+
+class Recorder:
+    """Applies changes to a model instance and records how to reverse them."""
+
+    def __init__(self) -> None:
+        self._changes: list[_Change] = []
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{feature: {kind of change: count}}``."""
+        out: dict[str, dict[str, int]] = {}
+        for change in self._changes:
+            per = out.setdefault(change.feature, {})
+            per[change.what] = per.get(change.what, 0) + 1
+        return out
+
+    def set_submodule(self, feature: str, parent: nn.Module, name: str, new: nn.Module, what: str) -> None:
+        """Replace ``parent.<name>`` (a registered submodule) by ``new``."""
+        old = parent._modules[name]
+        parent._modules[name] = new
+        self._changes.append(_Change(feature, what, lambda: parent._modules.__setitem__(name, old)))
+
+    def set_instance_attr(self, feature: str, obj: Any, name: str, value: Any, what: str) -> None:
+        """Set a plain (non-module, non-parameter) attribute in ``obj.__dict__``, e.g. a bound method."""
+        old = obj.__dict__.get(name, _MISSING)
+        obj.__dict__[name] = value
+
+        def undo() -> None:
+            if old is _MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                obj.__dict__[name] = old
+
+        self._changes.append(_Change(feature, what, undo))
+
+    def set_param_data(self, feature: str, param: nn.Parameter, data: torch.Tensor, what: str) -> None:
+        """Point an existing parameter at new storage (e.g. a view into a fused tensor).
+
+        The parameter object stays the same; undo gives it back a private copy of the original values.
+        """
+        if data.shape != param.shape or data.dtype != param.dtype:
+            raise ValueError(
+                f"set_param_data: shape/dtype mismatch {tuple(data.shape)} vs {tuple(param.shape)}"
+            )
+        param.data = data
+
+        def undo() -> None:
+            param.data = param.data.clone()
+
+        self._changes.append(_Change(feature, what, undo))
+
+    def call(self, feature: str, what: str, apply: Callable[[], None], undo: Callable[[], None]) -> None:
+        """Run ``apply`` now and ``undo`` on reversal (for changes the other methods do not cover)."""
+        apply()
+        self._changes.append(_Change(feature, what, undo))
+
+    def undo(self) -> None:
+        """Reverse every recorded change, newest first, and forget them."""
+        while self._changes:
+            self._changes.pop().undo()

@@ -1,0 +1,220 @@
+"""Supported architectures, as data.
+
+Each :class:`ArchSpec` says where one ``model_type`` keeps its decoder layers and, inside a layer, its
+attention, MLP and projections. :func:`resolve` checks a model against its spec and returns the located
+modules; every feature walks that result instead of knowing architecture names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = [
+    "ARCHITECTURES",
+    "ArchSpec",
+    "LayerParts",
+    "ModelParts",
+    "get_spec",
+    "resolve",
+    "supported_model_types",
+]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where one architecture keeps its parts. Paths are dotted attribute paths.
+
+    Args:
+        model_type: ``config.model_type`` this spec applies to.
+        layers: path from the ``*ForCausalLM`` model to the ``nn.ModuleList`` of decoder layers.
+        attention: path from a decoder layer to its attention module.
+        mlp: path from a decoder layer to its MLP module.
+        qkv_proj: paths from the attention module to its query/key/value projections (one if fused).
+        o_proj: path from the attention module to its output projection.
+        gate_proj, up_proj: paths from the MLP to its separate gate / up projections (``None`` if fused).
+        gate_up_proj: path from the MLP to an already-fused ``[gate; up]`` projection (e.g. Phi-3).
+        down_proj: path from the MLP to its down projection.
+        act_fn: path from the MLP to its activation module.
+        act_config_keys: config attributes naming the MLP activation, first one present wins.
+        lm_head: path from the model to the output projection.
+        embed_tokens: path from the model to the input embedding.
+    """
+
+    model_type: str
+    layers: str = "model.layers"
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    qkv_proj: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    o_proj: str = "o_proj"
+    gate_proj: str | None = "gate_proj"
+    up_proj: str | None = "up_proj"
+    gate_up_proj: str | None = None
+    down_proj: str = "down_proj"
+    act_fn: str = "act_fn"
+    act_config_keys: tuple[str, ...] = ("hidden_act",)
+    lm_head: str = "lm_head"
+    embed_tokens: str = "model.embed_tokens"
+
+
+_GEMMA_ACT = ("hidden_activation", "hidden_act")
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    spec.model_type: spec
+    for spec in (
+        ArchSpec("llama"),
+        ArchSpec("mistral"),
+        ArchSpec("qwen2"),
+        ArchSpec("qwen3"),
+        ArchSpec("gemma", act_config_keys=_GEMMA_ACT),
+        ArchSpec("gemma2", act_config_keys=_GEMMA_ACT),
+        ArchSpec("gemma3_text", act_config_keys=_GEMMA_ACT),
+        ArchSpec(
+            "phi3",
+            qkv_proj=("qkv_proj",),
+            gate_proj=None,
+            up_proj=None,
+            gate_up_proj="gate_up_proj",
+            act_fn="activation_fn",
+        ),
+        ArchSpec("olmo2"),
+        ArchSpec("granite"),
+    )
+}
+
+
+def supported_model_types() -> list[str]:
+    """Sorted list of the ``model_type`` values hf_accel can patch."""
+    return sorted(ARCHITECTURES)
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """The located modules of one decoder layer (attribute paths are relative to the model)."""
+
+    index: int
+    path: str
+    layer: nn.Module
+    attention: nn.Module
+    attention_path: str
+    mlp: nn.Module
+    mlp_path: str
+    activation: str
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A model checked against its :class:`ArchSpec`."""
+
+    spec: ArchSpec
+    layers: tuple[LayerParts, ...]
+
+    def __iter__(self) -> Iterator[LayerParts]:
+        return iter(self.layers)
+
+
+def get_attr_path(root: nn.Module, path: str) -> nn.Module:
+    """Follow a dotted attribute path (integers index ``ModuleList``s)."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _model_type(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) or type(model).__name__
+
+
+def _check_causal_lm(model: nn.Module) -> None:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise UnsupportedModelError(
+            _model_type(model),
+            ARCHITECTURES,
+            reason=f"{name} is not a Transformers causal language model (a PreTrainedModel with generate())",
+        )
+    if not name.endswith("ForCausalLM"):
+        raise UnsupportedModelError(
+            _model_type(model),
+            ARCHITECTURES,
+            reason=f"{name} is not a *ForCausalLM model; load it with AutoModelForCausalLM",
+        )
+
+
+def get_spec(model: nn.Module) -> ArchSpec:
+    """Return the registry entry for ``model`` or raise :class:`UnsupportedModelError`."""
+    _check_causal_lm(model)
+    model_type = _model_type(model)
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        raise UnsupportedModelError(model_type, ARCHITECTURES)
+    return spec
+
+
+def _find(root: nn.Module, path: str, where: str, spec: ArchSpec) -> nn.Module:
+    try:
+        return get_attr_path(root, path)
+    except (AttributeError, IndexError) as err:
+        raise UnsupportedModelError(
+            spec.model_type,
+            ARCHITECTURES,
+            reason=f"model_type {spec.model_type!r} does not match hf_accel's spec: {where}.{path} is missing",
+        ) from err
+
+
+def _activation(model: nn.Module, spec: ArchSpec) -> str:
+    for key in spec.act_config_keys:
+        value = getattr(model.config, key, None)
+        if isinstance(value, str):
+            return value
+    raise UnsupportedModelError(
+        spec.model_type,
+        ARCHITECTURES,
+        reason=f"config has none of {spec.act_config_keys} naming the MLP activation",
+    )
+
+
+def resolve(model: nn.Module) -> ModelParts:
+    """Check ``model`` against its spec and locate every layer's attention and MLP.
+
+    Raises:
+        UnsupportedModelError: not a causal LM, unknown ``model_type``, or a module the spec names is missing.
+    """
+    spec = get_spec(model)
+    layers = _find(model, spec.layers, type(model).__name__, spec)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedModelError(
+            spec.model_type,
+            ARCHITECTURES,
+            reason=f"{spec.layers} is {type(layers).__name__}, not a ModuleList",
+        )
+    activation = _activation(model, spec)
+    mlp_proj = [
+        p for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj, spec.down_proj, spec.act_fn) if p
+    ]
+    attn_proj = (*spec.qkv_proj, spec.o_proj)
+    parts = []
+    for i, layer in enumerate(layers):
+        path = f"{spec.layers}.{i}"
+        attention = _find(layer, spec.attention, path, spec)
+        mlp = _find(layer, spec.mlp, path, spec)
+        for proj in attn_proj:
+            _find(attention, proj, f"{path}.{spec.attention}", spec)
+        for proj in mlp_proj:
+            _find(mlp, proj, f"{path}.{spec.mlp}", spec)
+        parts.append(
+            LayerParts(
+                i, path, layer, attention, f"{path}.{spec.attention}", mlp, f"{path}.{spec.mlp}", activation
+            )
+        )
+    return ModelParts(spec, tuple(parts))

@@ -1,0 +1,51 @@
+"""Fixtures: tiny models per architecture, the real default model, and devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ARCHS, tiny_model
+
+from hf_accel.models import find_default_gguf, load_default
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request: pytest.FixtureRequest) -> str:
+    """Every registry model_type, one test each."""
+    return request.param
+
+
+@pytest.fixture
+def tiny(arch: str):
+    """A fresh seeded tiny model of ``arch``."""
+    return tiny_model(arch)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """CPU, plus CUDA when one is present."""
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real SmolLM2-135M-Instruct ``(model, tokenizer)``, fp32, loaded once per session.
+
+    Tests that use it are marked ``real_model`` (deselect with ``-m 'not real_model'``); CI runs them.
+    """
+    find_default_gguf()  # a clear DefaultModelNotInstalledError instead of a skip: CI must have it
+    return load_default(torch.float32)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "default_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))

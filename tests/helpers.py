@@ -1,0 +1,77 @@
+"""Shared test helpers: seeded tiny models per architecture and a reporting ``assert_close``."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from hf_accel.registry import supported_model_types
+
+ARCHS = supported_model_types()
+VOCAB = 256
+PAD, BOS, EOS = 0, 1, 2
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    # a wide init keeps logits well separated, so greedy choices are not decided by float noise
+    initializer_range=0.2,
+)
+
+
+def tiny_config(model_type: str, **overrides):
+    """A 2-layer, 64-wide config of ``model_type`` (GQA: 4 query heads, 2 KV heads)."""
+    return AutoConfig.for_model(model_type, **{**_TINY, **overrides})
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+    """A seeded random tiny ``*ForCausalLM`` of ``model_type`` in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    return model.eval()
+
+
+def random_batch(batch: int, lengths: list[int] | None = None, seed: int = 0, max_len: int = 12):
+    """Left-padded ``input_ids`` / ``attention_mask`` of random tokens with the given (or random) lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(3, max_len + 1, (batch,), generator=gen).tolist()
+    width = max(lengths)
+    ids = torch.full((batch, width), PAD, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def logits_of(model, ids, mask=None) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask).logits
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, name: str = "") -> None:
+    """Like ``torch.testing.assert_close`` but the message names the worst element and both values."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a, e = actual.double(), expected.double()
+    err = (a - e).abs()
+    bound = atol + rtol * e.abs()
+    bad = err > bound
+    if bad.any():
+        excess = err - bound
+        idx = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{err.numel()} elements out of tolerance (atol={atol}, rtol={rtol}); "
+            f"worst at {idx}: actual={a[idx].item():.8g} expected={e[idx].item():.8g} "
+            f"abs err={err[idx].item():.3g}; max abs err overall={err.max().item():.3g}"
+        )
