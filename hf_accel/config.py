@@ -165,11 +165,7 @@ class Int8Config:
         if isinstance(self.skip_modules, str) or not all(isinstance(p, str) for p in self.skip_modules):
             _fail(type(self), "skip_modules", "must be a tuple of glob strings", self.skip_modules)
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
-        if (
-            isinstance(self.threshold, bool)
-            or not isinstance(self.threshold, (int, float))
-            or self.threshold < 0
-        ):
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
             _fail(type(self), "threshold", "must be a number >= 0", self.threshold)
 
 

@@ -53,9 +53,7 @@ def _split_plugin_kwargs(state: PatchState, kwargs: dict[str, Any]) -> dict[str,
     return {name: kwargs.pop(name) for name in list(kwargs) if name in names}
 
 
-def _apply_plugin_kwargs(
-    model: nn.Module, state: PatchState, plugin: dict[str, Any], kwargs: dict[str, Any]
-) -> None:
+def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, Any], kwargs: dict[str, Any]) -> None:
     for name, value in plugin.items():
         handler = state.generate_kwargs.get(name)
         if handler is None:
@@ -76,6 +74,4 @@ def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> No
         _apply_plugin_kwargs(self, state, plugin, kwargs)
         return original(*args, **kwargs)
 
-    recorder.set_instance_attr(
-        "core", model, "generate", types.MethodType(generate, model), "generate wrapped"
-    )
+    recorder.set_instance_attr("core", model, "generate", types.MethodType(generate, model), "generate wrapped")

@@ -121,9 +121,7 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
     except BaseException:
         recorder.undo()
         raise
-    logger.info(
-        "hf_accel: patched %s with %s", type(model).__name__, ", ".join(config.enabled()) or "no features"
-    )
+    logger.info("hf_accel: patched %s with %s", type(model).__name__, ", ".join(config.enabled()) or "no features")
     return model
 
 

@@ -67,9 +67,7 @@ class Recorder:
         The parameter object stays the same; undo gives it back a private copy of the original values.
         """
         if data.shape != param.shape or data.dtype != param.dtype:
-            raise ValueError(
-                f"set_param_data: shape/dtype mismatch {tuple(data.shape)} vs {tuple(param.shape)}"
-            )
+            raise ValueError(f"set_param_data: shape/dtype mismatch {tuple(data.shape)} vs {tuple(param.shape)}")
         param.data = data
 
         def undo() -> None:

@@ -143,12 +143,22 @@ def _check_causal_lm(model: nn.Module) -> None:
             ARCHITECTURES,
             reason=f"{name} is not a Transformers causal language model (a PreTrainedModel with generate())",
         )
-    if not name.endswith("ForCausalLM"):
+    if name not in _causal_lm_class_names():
         raise UnsupportedModelError(
             _model_type(model),
             ARCHITECTURES,
-            reason=f"{name} is not a *ForCausalLM model; load it with AutoModelForCausalLM",
+            reason=f"{name} is not a causal LM class (it is not in AutoModelForCausalLM's mapping); "
+            "load the model with AutoModelForCausalLM",
         )
+
+
+def _causal_lm_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update((value,) if isinstance(value, str) else value)
+    return names
 
 
 def get_spec(model: nn.Module) -> ArchSpec:
@@ -199,9 +209,7 @@ def resolve(model: nn.Module) -> ModelParts:
             reason=f"{spec.layers} is {type(layers).__name__}, not a ModuleList",
         )
     activation = _activation(model, spec)
-    mlp_proj = [
-        p for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj, spec.down_proj, spec.act_fn) if p
-    ]
+    mlp_proj = [p for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj, spec.down_proj, spec.act_fn) if p]
     attn_proj = (*spec.qkv_proj, spec.o_proj)
     parts = []
     for i, layer in enumerate(layers):
@@ -213,8 +221,6 @@ def resolve(model: nn.Module) -> ModelParts:
         for proj in mlp_proj:
             _find(mlp, proj, f"{path}.{spec.mlp}", spec)
         parts.append(
-            LayerParts(
-                i, path, layer, attention, f"{path}.{spec.attention}", mlp, f"{path}.{spec.mlp}", activation
-            )
+            LayerParts(i, path, layer, attention, f"{path}.{spec.attention}", mlp, f"{path}.{spec.mlp}", activation)
         )
     return ModelParts(spec, tuple(parts))

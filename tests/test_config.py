@@ -27,12 +27,17 @@ from hf_accel import (
             "SpeculativeConfig.strategy must be one of 'prompt_lookup', 'draft', 'self', got 'magic'",
         ),
         (lambda: SpeculativeConfig(num_tokens=0), "SpeculativeConfig.num_tokens must be an int >= 1, got 0"),
-        (lambda: CompileConfig(mode="fast"), "CompileConfig.mode must be one of 'default', 'reduce-overhead', "
-         "'max-autotune', 'max-autotune-no-cudagraphs', got 'fast'"),
+        (
+            lambda: CompileConfig(mode="fast"),
+            "CompileConfig.mode must be one of 'default', 'reduce-overhead', "
+            "'max-autotune', 'max-autotune-no-cudagraphs', got 'fast'",
+        ),
         (lambda: FusedMLPConfig(eager="yes"), "FusedMLPConfig.eager must be a bool, got 'yes'"),
         (lambda: Int8Config(group_size=0), "Int8Config.group_size must be an int >= 1 or None, got 0"),
-        (lambda: Int8Config(skip_modules="lm_head"), "Int8Config.skip_modules must be a tuple of glob strings, got "
-         "'lm_head'"),
+        (
+            lambda: Int8Config(skip_modules="lm_head"),
+            "Int8Config.skip_modules must be a tuple of glob strings, got 'lm_head'",
+        ),
         (lambda: Int8Config(threshold=-1.0), "Int8Config.threshold must be a number >= 0, got -1.0"),
         (lambda: AccelConfig(paged=True), "AccelConfig.paged must be a PagedConfig or None, got bool"),
     ],

@@ -47,14 +47,10 @@ class FusedGatedMLP(nn.Module):
     def fuse_weights(cls, gate: nn.Linear, up: nn.Linear) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Concatenate two projections' weights (and biases) into fresh ``[2I, H]`` / ``[2I]`` parameters."""
         if gate.weight.shape != up.weight.shape:
-            raise ValueError(
-                f"gate {tuple(gate.weight.shape)} and up {tuple(up.weight.shape)} differ in shape"
-            )
+            raise ValueError(f"gate {tuple(gate.weight.shape)} and up {tuple(up.weight.shape)} differ in shape")
         if (gate.bias is None) != (up.bias is None):
             raise ValueError("gate and up projections must both have a bias or both have none")
-        weight = nn.Parameter(
-            torch.cat([gate.weight.detach(), up.weight.detach()], dim=0), requires_grad=False
-        )
+        weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()], dim=0), requires_grad=False)
         bias = None
         if gate.bias is not None:
             bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)

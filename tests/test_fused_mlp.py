@@ -1,0 +1,40 @@
+"""Tier (b): the fused MLP equals the original module with identical weights."""
+
+import pytest
+import torch
+from helpers import assert_close, tiny_model
+
+import hf_accel
+from hf_accel import FusedGatedMLP
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 37)])
+def test_fused_mlp_matches_original_module(arch, shape):
+    model = tiny_model(arch)
+    original = model.model.layers[0].mlp
+    hidden = model.config.hidden_size
+    x = torch.randn(*shape, hidden, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = original(x)
+        hf_accel.patch_model(model)
+        fused = model.model.layers[0].mlp
+        assert isinstance(fused, FusedGatedMLP)
+        got = fused(x)
+    assert_close(got, expected, atol=1e-5, rtol=1e-4, name=f"{arch} {shape}")  # fp32, issue-5 tolerance
+
+
+def test_fused_mlp_with_bias():
+    gate, up = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+    down, act = torch.nn.Linear(16, 8), torch.nn.SiLU()
+    weight, bias = FusedGatedMLP.fuse_weights(gate, up)
+    fused = FusedGatedMLP(weight, bias, down, act)
+    x = torch.randn(3, 5, 8)
+    with torch.no_grad():
+        assert_close(fused(x), down(act(gate(x)) * up(x)), atol=1e-6, rtol=1e-5, name="bias")  # fp32
+
+
+def test_fuse_weights_rejects_mismatched_projections():
+    with pytest.raises(ValueError, match=r"gate \(16, 8\) and up \(12, 8\) differ in shape"):
+        FusedGatedMLP.fuse_weights(torch.nn.Linear(8, 16), torch.nn.Linear(8, 12))
+    with pytest.raises(ValueError, match="both have a bias or both have none"):
+        FusedGatedMLP.fuse_weights(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16, bias=False))
