@@ -219,3 +219,15 @@ def test_other_instances_and_classes_untouched():
     assert not isinstance(b.model.layers[0].mlp, FusedGatedMLP)
     assert type(a).__dict__.get("generate") is cls_generate
     assert "generate" not in b.__dict__
+
+
+def test_patch_on_each_device(device):
+    model = tiny_model("qwen2").to(device)
+    ids, mask = (t.to(device) for t in random_batch(2, [6, 9]))
+    before = logits_of(model, ids, mask)
+    hf_accel.patch_model(model)
+    fused = model.model.layers[0].mlp
+    assert fused.gate_up_weight.device.type == device.type  # created where the original lived
+    assert_close(logits_of(model, ids, mask), before, atol=1e-5, rtol=1e-4, name=f"{device} logits")  # fp32
+    hf_accel.unpatch_model(model)
+    assert torch.equal(logits_of(model, ids, mask), before)

@@ -1,0 +1,98 @@
+"""Symmetric weight-only int8 quantization: pure tensor maths, no transformers import.
+
+A weight ``W: [N, K]`` is stored as ``q: [N, K] int8`` and ``scale: [N, G] float32`` with ``G = K / group``
+(``G = 1``: one scale per output row). ``W ≈ q * scale`` broadcast over each group of ``group`` columns;
+``scale = max|W_group| / 127`` so ``q ∈ [-127, 127]`` and dequantization is exact arithmetic on (q, scale).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["QuantError", "QuantizedWeight", "dequantize", "quantization_error", "quantize"]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An int8 weight and its scales.
+
+    Args:
+        qweight: ``[N, K]`` int8.
+        scale: ``[N, G]`` float32, ``G = K // group_size``.
+        group_size: columns sharing one scale (``K`` for per-channel).
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)  # type: ignore[return-value]
+
+    def nbytes(self) -> int:
+        """Bytes held by the int8 values and the scales."""
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+
+
+def _groups(weight: torch.Tensor, group_size: int | None) -> int:
+    if weight.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D weight [out_features, in_features], got {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point weight, got {weight.dtype}")
+    k = weight.shape[1]
+    size = k if group_size is None else group_size
+    if size < 1 or k % size:
+        raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+    return size
+
+
+def quantize(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+    """Quantize ``weight: [N, K]`` to int8 per output row, or per group of ``group_size`` input columns.
+
+    Raises:
+        ValueError: not 2-D, or ``group_size`` does not divide ``K``.
+        TypeError: not a floating-point tensor.
+    """
+    size = _groups(weight, group_size)
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // size, size)  # [N, G, group]
+    absmax = w.abs().amax(dim=-1)  # [N, G]
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # all-zero groups: any scale
+    q = torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.reshape(n, k).contiguous(), scale.contiguous(), size)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` as a dense ``[N, K]`` tensor of ``dtype``."""
+    n, k = qw.shape
+    groups = qw.qweight.reshape(n, k // qw.group_size, qw.group_size).float()  # [N, G, group]
+    return (groups * qw.scale.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantError:
+    """Error of a quantized weight against the original.
+
+    Args:
+        max_abs: largest absolute element error.
+        rel_fro: ``||W - deq(q)||_F / ||W||_F``.
+        sqnr_db: signal-to-quantization-noise ratio in dB.
+    """
+
+    max_abs: float
+    rel_fro: float
+    sqnr_db: float
+
+
+def quantization_error(weight: torch.Tensor, qw: QuantizedWeight) -> QuantError:
+    """Error statistics of ``qw`` against the float ``weight`` it came from."""
+    w = weight.detach().float()
+    diff = w - dequantize(qw)
+    noise = diff.pow(2).sum().item()
+    signal = w.pow(2).sum().item()
+    rel = (noise / signal) ** 0.5 if signal > 0 else 0.0
+    sqnr = float("inf") if noise == 0 else 10.0 * torch.log10(torch.tensor(signal / noise)).item()
+    return QuantError(diff.abs().max().item(), rel, sqnr)
