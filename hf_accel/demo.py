@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from .config import Int8Config
 from .metrics import GenerationTiming, TimingStreamer
 from .models import load_default
 from .patch import patch_model, patch_report, unpatch_model
@@ -42,11 +43,15 @@ def run_demo(prompts: list[str], max_new_tokens: int) -> None:
     _answer(model, tokenizer, "Hi", 4)
     fast = [_answer(model, tokenizer, p, max_new_tokens) for p in prompts]
     unpatch_model(model)
-    print(f"patched features: {features}\n")
+    patch_model(model, int8=Int8Config(keep_original=True))
+    _answer(model, tokenizer, "Hi", 4)
+    int8 = [_answer(model, tokenizer, p, max_new_tokens) for p in prompts]
+    unpatch_model(model)
+    print(f"patched features: {features}; '+ int8' adds weight-only int8 (lossy, opt-in)\n")
     print("| model     |       TTFT | decode t/s | identical |")
     print("|-----------|------------|------------|-----------|")
-    for prompt, (text, ids, t0), (_, ids1, t1) in zip(prompts, plain, fast, strict=True):
-        same = "yes" if torch.equal(ids, ids1) else "NO"
+    for prompt, (text, ids, t0), (_, ids1, t1), (_, ids2, t2) in zip(prompts, plain, fast, int8, strict=True):
         print(_row("unpatched", t0, "-"))
-        print(_row("patched", t1, same))
+        print(_row("patched", t1, "yes" if torch.equal(ids, ids1) else "NO"))
+        print(_row("+ int8", t2, "yes" if torch.equal(ids, ids2) else "no"))
         print(f"\n> {prompt}\n{text.strip()}\n")

@@ -19,6 +19,7 @@ from .config import AccelConfig, FusedMLPConfig
 from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .fused.apply import apply_fused_mlp
 from .generate import GenerateKwarg, bind_generate
+from .quant.apply import apply_int8
 from .recorder import Recorder
 from .registry import ModelParts, resolve
 
@@ -39,7 +40,7 @@ class _Feature:
 
 #: Feature name -> implementation. Order of application follows ``config.FEATURE_CONFIGS``.
 FEATURES: dict[str, _Feature] = {
-    "int8": _Feature(None, lossless=False),
+    "int8": _Feature(apply_int8, lossless=False),
     "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
     "paged": _Feature(None, lossless=True),
     "speculative": _Feature(None, lossless=True),

@@ -176,7 +176,7 @@ def test_feature_not_yet_available_is_a_clear_error():
     with pytest.raises(FeatureNotAvailableError) as info:
         hf_accel.patch_model(model, paged=True)
     assert str(info.value) == (
-        "feature 'paged' is not implemented in this version of hf_accel; available features: fused_mlp"
+        "feature 'paged' is not implemented in this version of hf_accel; available features: int8, fused_mlp"
     )
     assert not hf_accel.is_patched(model)
 

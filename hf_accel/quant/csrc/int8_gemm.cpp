@@ -1,0 +1,78 @@
+// Weight-only int8 matmul for small M (decode): y[M, N] = x[M, K] @ (q[N, K] * scale[N, G])^T.
+// AVX2 + FMA: int8 weights are sign-extended to int32, converted to float and multiplied with fp32
+// activations; four output rows per tile share each activation load; prefetch runs ahead in the weights.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kRows = 4;        // output rows per tile
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in each weight row
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+inline __m256 load_w8(const int8_t* p) {  // 8 int8 -> 8 float
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One tile of `rows` (<= kRows) output rows for one activation row x.
+void tile(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
+          int64_t group, int64_t G) {
+  __m256 acc[kRows];
+  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 part[kRows];
+    for (int64_t r = 0; r < kRows; ++r) part[r] = _mm256_setzero_ps();
+    const int64_t k0 = g * group;
+    for (int64_t k = k0; k < k0 + group; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* row = q + r * K;
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetch), _MM_HINT_T0);
+        part[r] = _mm256_fmadd_ps(xv, load_w8(row + k), part[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale[r * G + g]), acc[r]);
+  }
+  for (int64_t r = 0; r < rows; ++r) y[r] = hsum(acc[r]);
+}
+
+}  // namespace
+
+// x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2, "int8_linear: expected 2-D x, q, scale");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && q.scalar_type() == torch::kChar &&
+                  scale.scalar_type() == torch::kFloat, "int8_linear: dtypes must be float32, int8, float32");
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "int8_linear: needs contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
+  TORCH_CHECK(q.size(1) == K && scale.size(0) == N && K % G == 0, "int8_linear: shape mismatch");
+  const int64_t group = K / G;
+  TORCH_CHECK(group % 8 == 0, "int8_linear: group size must be a multiple of 8");
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kRows - 1) / kRows;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    float out[kRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        tile(xp + m * K, qp + n0 * K, sp + n0 * G, out, rows, K, group, G);
+        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int8_linear", &int8_linear, "weight-only int8 linear (AVX2)"); }

@@ -1,0 +1,153 @@
+"""Int8 weights: tier (a) core maths, tier (b) Int8Linear vs a float layer with the dequantized weights, tier (c)."""
+
+import pytest
+import torch
+from helpers import assert_close, logits_of, random_batch, tiny_model
+from torch import nn
+
+import hf_accel
+from hf_accel import IncompatibleOptionsError
+from hf_accel.quant import Int8Embedding, Int8Linear, dequantize, quantization_error, quantize
+from hf_accel.quant.kernel import kernel_status, native_kernel
+
+
+def test_quantize_exact_state():
+    w = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    qw = quantize(w)
+    assert qw.qweight.dtype == torch.int8 and qw.scale.shape == (2, 1) and qw.group_size == 4
+    assert qw.qweight.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]
+    assert qw.scale[0, 0].item() == pytest.approx(2.0 / 127, rel=1e-7)
+    assert torch.equal(dequantize(qw)[1], torch.zeros(4))  # an all-zero row stays exactly zero
+    grouped = quantize(w, group_size=2)
+    assert grouped.scale.shape == (2, 2)
+    assert grouped.qweight[0].tolist() == [64, -127, 127, 0]
+
+
+def test_quantization_error_bound():
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    per_row, grouped = quantization_error(w, quantize(w)), quantization_error(w, quantize(w, 32))
+    # round-to-nearest: each element is off by at most half a step, step = max|row| / 127
+    assert per_row.max_abs <= (w.abs().amax(1) / 254).max().item() + 1e-7
+    assert per_row.rel_fro < 0.01  # gaussian weights: ~0.7% relative error
+    assert grouped.rel_fro < per_row.rel_fro  # smaller groups, finer scales
+
+
+def test_quantize_bad_input():
+    with pytest.raises(ValueError, match="group_size 5 does not divide in_features 8"):
+        quantize(torch.randn(4, 8), 5)
+    with pytest.raises(TypeError, match=r"floating-point weight, got torch\.int64"):
+        quantize(torch.ones(4, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="2-D weight"):
+        quantize(torch.randn(8))
+    with pytest.raises(TypeError, match=r"needs an nn\.Linear, got Conv1d"):
+        Int8Linear.from_module(nn.Conv1d(2, 2, 1))
+
+
+def test_native_kernel_is_built_here():
+    assert native_kernel() is not None, kernel_status()
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])  # 40 > DECODE_MAX_ROWS takes the dequantize path
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_float_layer_with_dequantized_weight(group_size, rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 200, bias=bias)  # 200 rows: a partial 4-row tile at the end
+    q = Int8Linear.from_module(linear, group_size)
+    reference = nn.Linear(256, 200, bias=bias)
+    reference.weight.data = dequantize(q.quantized)
+    if bias:
+        reference.bias.data = linear.bias.data.clone()
+    x = torch.randn(rows, 256)
+    with torch.no_grad():
+        got, expected, original = q(x), reference(x), linear(x)
+    assert q.kernel_path(x) == ("native" if rows <= 16 else "dequantize")
+    # the kernel sums in a different order than MKL: fp32 accumulation error only
+    assert_close(got, expected, atol=1e-5, rtol=1e-5, name="int8 vs dequantized float")
+    # against the original float weights: bounded by the quantization error (~1% of the output scale)
+    rel = (got - original).norm() / original.norm()
+    assert rel < 0.02, rel
+
+
+def test_tied_embedding_reads_the_int8_matrix():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    ids, _ = random_batch(1, [6])
+    embed_before = model.get_input_embeddings()(ids)
+    half_step = (model.get_input_embeddings().weight.abs().amax(1) / 254).max().item()
+    hf_accel.patch_model(model, int8=True)
+    embed = model.get_input_embeddings()
+    assert isinstance(embed, Int8Embedding) and isinstance(model.lm_head, Int8Linear)
+    assert embed.head[0] is model.lm_head  # one int8 matrix serves both
+    assert_close(
+        embed(ids), embed_before, atol=half_step + 1e-7, rtol=0, name="int8 embedding"
+    )  # rounding: half a step
+
+
+def test_int8_model_level_every_architecture(tiny, arch):
+    ids, mask = random_batch(2, [5, 9], seed=3)
+    before = logits_of(tiny, ids, mask)
+    hf_accel.patch_model(tiny, int8=True)
+    report = hf_accel.patch_report(tiny)
+    assert report["changes"]["int8"]["Linear -> Int8Linear"] >= 2 * 4 + 1
+    after = logits_of(tiny, ids, mask)
+    rel = ((after - before).norm() / before.norm()).item()
+    # vs the original weights: quantization noise of a wide-init random model (measured 0.3-5.2%)
+    assert rel < 0.08, f"{arch}: relative logits error {rel:.4f}"
+    assert not any(type(m) is nn.Linear and m.weight.numel() == 0 for m in tiny.modules())
+    hf_accel.unpatch_model(tiny)
+    restored = logits_of(tiny, ids, mask)
+    assert_close(restored, after, atol=1e-4, rtol=1e-4, name="unpatch restores dequantized weights")  # fp32
+
+
+def test_keep_original_restores_bitwise():
+    model = tiny_model("qwen2")
+    ids, mask = random_batch(2, [4, 7])
+    before = logits_of(model, ids, mask)
+    hf_accel.patch_model(model, int8=hf_accel.Int8Config(keep_original=True))
+    hf_accel.unpatch_model(model)
+    assert torch.equal(logits_of(model, ids, mask), before)
+
+
+def test_skip_modules_and_errors():
+    model = tiny_model("llama")
+    hf_accel.patch_model(model, int8=hf_accel.Int8Config(skip_modules=("lm_head", "*.self_attn.*")))
+    assert type(model.lm_head) is nn.Linear
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int8Linear)
+    hf_accel.unpatch_model(model)
+    with pytest.raises(ValueError, match="group_size 7 does not divide in_features 64"):
+        hf_accel.patch_model(model, int8=hf_accel.Int8Config(group_size=7))
+    assert not hf_accel.is_patched(model) and type(model.lm_head) is nn.Linear  # rolled back
+    with pytest.raises(hf_accel.FeatureNotAvailableError, match="bitsandbytes int8 backend is not implemented"):
+        hf_accel.patch_model(model, int8=hf_accel.Int8Config(backend="bitsandbytes"))
+
+
+def test_quantizing_a_quantized_model_is_an_error():
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.up_proj = Int8Linear.from_module(model.model.layers[0].mlp.up_proj)
+    with pytest.raises(IncompatibleOptionsError, match="already holds Int8Linear layers"):
+        hf_accel.patch_model(model, int8=True)
+
+
+def test_real_model_int8_greedy_agreement(default_model):
+    model, tokenizer = default_model
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.inference_mode():
+        expected = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+        hf_accel.patch_model(model, int8=hf_accel.Int8Config(keep_original=True))
+        try:
+            got = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+        finally:
+            hf_accel.unpatch_model(model)
+        again = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    n = inputs["input_ids"].shape[1]
+    assert torch.equal(again, expected)  # keep_original: the float model is back exactly
+    # a lossy feature: the short factual answer survives int8 (measured: identical for this prompt)
+    assert tokenizer.decode(got[0, n:], skip_special_tokens=True) == tokenizer.decode(
+        expected[0, n:], skip_special_tokens=True
+    )
