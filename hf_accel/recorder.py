@@ -80,6 +80,10 @@ class Recorder:
         apply()
         self._changes.append(_Change(feature, what, undo))
 
+    def note(self, feature: str, what: str) -> None:
+        """Record a decision that changed nothing (e.g. a module left as it is), so reports can count it."""
+        self._changes.append(_Change(feature, what, lambda: None))
+
     def undo(self) -> None:
         """Reverse every recorded change, newest first, and forget them."""
         while self._changes:

@@ -40,10 +40,6 @@ def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedM
     return FusedGatedMLP(weight, bias, down, act)
 
 
-def _noop() -> None:
-    return None
-
-
 def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig, recorder: Recorder) -> None:
     """Replace each layer's MLP with a fused one.
 
@@ -56,7 +52,7 @@ def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig,
     for layer in parts:
         projections = [get_attr_path(layer.mlp, p) for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj) if p]
         if any(type(p) is not nn.Linear for p in projections):  # e.g. already int8: left as it is, and said so
-            recorder.call(FEATURE, "MLP left unfused (projections are not nn.Linear)", _noop, _noop)
+            recorder.note(FEATURE, "MLP left unfused (projections are not nn.Linear)")
             continue
         fused = _fuse_one(layer.mlp, spec, recorder)
         parent, name = _parent_and_name(layer.layer, spec.mlp)

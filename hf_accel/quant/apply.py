@@ -60,10 +60,6 @@ def _swap(recorder: Recorder, model: nn.Module, name: str, linear: nn.Linear, ne
     recorder.call(FEATURE, "float weight released" if not keep else "float weight kept", free, restore)
 
 
-def _noop() -> None:
-    return None
-
-
 def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder: Recorder) -> None:
     """Quantize every ``nn.Linear`` of the decoder layers and the LM head (minus ``skip_modules``).
 
@@ -80,7 +76,7 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     known_embedding = type(embed) is nn.Embedding or isinstance(scale, torch.Tensor)
     for name, linear in _targets(model, parts, config):
         if name == head_name and tied and not known_embedding:
-            recorder.call(FEATURE, "tied lm_head left in float (custom embedding)", _noop, _noop)
+            recorder.note(FEATURE, "tied lm_head left in float (custom embedding)")
             continue
         new = Int8Linear.from_module(linear, config.group_size).to(linear.weight.device)
         if name == head_name and tied:
