@@ -6,6 +6,7 @@ it cannot be had here (no AVX2, no compiler). Callers choose a path explicitly a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -31,7 +32,8 @@ def _cpu_has_avx2() -> bool:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    build_dir = cache_dir() / "ext" / f"int8_gemm-torch{torch.__version__.split('+')[0]}"
+    digest = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:12]  # a changed source builds afresh
+    build_dir = cache_dir() / "ext" / f"int8_gemm-{digest}-torch{torch.__version__.split('+')[0]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("hf_accel: building the int8 kernel in %s (once)", build_dir)
     return load(

@@ -22,26 +22,36 @@ inline __m256 load_w8(const int8_t* p) {  // 8 int8 -> 8 float
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// One tile of `rows` (<= kRows) output rows for one activation row x.
+// One tile: `rows` (<= kRows) weight rows times MR activation rows. Each weight vector is converted to
+// float once and used for all MR activation rows.
+template <int MR>
 void tile(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
-          int64_t group, int64_t G) {
-  __m256 acc[kRows];
-  for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+          int64_t group, int64_t G, int64_t ldy) {
+  __m256 acc[MR][kRows];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < kRows; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 part[kRows];
-    for (int64_t r = 0; r < kRows; ++r) part[r] = _mm256_setzero_ps();
+    __m256 part[MR][kRows];
+    for (int m = 0; m < MR; ++m)
+      for (int64_t r = 0; r < kRows; ++r) part[m][r] = _mm256_setzero_ps();
     const int64_t k0 = g * group;
     for (int64_t k = k0; k < k0 + group; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + k);
+      __m256 xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
       for (int64_t r = 0; r < rows; ++r) {
         const int8_t* row = q + r * K;
         _mm_prefetch(reinterpret_cast<const char*>(row + k + kPrefetch), _MM_HINT_T0);
-        part[r] = _mm256_fmadd_ps(xv, load_w8(row + k), part[r]);
+        const __m256 w = load_w8(row + k);
+        for (int m = 0; m < MR; ++m) part[m][r] = _mm256_fmadd_ps(xv[m], w, part[m][r]);
       }
     }
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(scale[r * G + g]), acc[r]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 s = _mm256_set1_ps(scale[r * G + g]);
+      for (int m = 0; m < MR; ++m) acc[m][r] = _mm256_fmadd_ps(part[m][r], s, acc[m][r]);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) y[r] = hsum(acc[r]);
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = hsum(acc[m][r]);
 }
 
 }  // namespace
@@ -63,13 +73,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale)
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + kRows - 1) / kRows;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    float out[kRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRows, rows = std::min(kRows, N - n0);
-      for (int64_t m = 0; m < M; ++m) {
-        tile(xp + m * K, qp + n0 * K, sp + n0 * G, out, rows, K, group, G);
-        for (int64_t r = 0; r < rows; ++r) yp[m * N + n0 + r] = out[r];
-      }
+      const int8_t* qt = qp + n0 * K;
+      const float* st = sp + n0 * G;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) tile<4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+      for (; m + 2 <= M; m += 2) tile<2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+      for (; m < M; ++m) tile<1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
     }
   });
   return y;
