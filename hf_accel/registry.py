@@ -128,6 +128,12 @@ def get_attr_path(root: nn.Module, path: str) -> nn.Module:
     return obj
 
 
+def parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """Split a dotted path into (the module holding the last attribute, that attribute's name)."""
+    head, _, name = path.rpartition(".")
+    return (get_attr_path(root, head) if head else root), name
+
+
 def _model_type(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     return getattr(config, "model_type", None) or type(model).__name__

@@ -6,19 +6,12 @@ from torch import nn
 
 from ..config import FusedMLPConfig
 from ..recorder import Recorder
-from ..registry import ArchSpec, ModelParts, get_attr_path
+from ..registry import ArchSpec, ModelParts, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
 
 __all__ = ["apply_fused_mlp"]
 
 FEATURE = "fused_mlp"
-
-
-def _parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:
-    if "." not in path:
-        return root, path
-    head, name = path.rsplit(".", 1)
-    return get_attr_path(root, head), name
 
 
 def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedMLP:
@@ -55,5 +48,5 @@ def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig,
             recorder.note(FEATURE, "MLP left unfused (projections are not nn.Linear)")
             continue
         fused = _fuse_one(layer.mlp, spec, recorder)
-        parent, name = _parent_and_name(layer.layer, spec.mlp)
+        parent, name = parent_and_name(layer.layer, spec.mlp)
         recorder.set_submodule(FEATURE, parent, name, fused, "MLP fused")

@@ -11,7 +11,7 @@ from torch import nn
 from ..config import Int8Config
 from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..recorder import Recorder
-from ..registry import ModelParts, get_attr_path
+from ..registry import ModelParts, get_attr_path, parent_and_name
 from .core import dequantize
 from .linear import Int8Embedding, Int8Linear
 
@@ -44,8 +44,7 @@ def _check(model: nn.Module, config: Int8Config) -> None:
 
 
 def _swap(recorder: Recorder, model: nn.Module, name: str, linear: nn.Linear, new: nn.Module, keep: bool) -> None:
-    parent_name, _, attr = name.rpartition(".")
-    parent = get_attr_path(model, parent_name) if parent_name else model
+    parent, attr = parent_and_name(model, name)
     recorder.set_submodule(FEATURE, parent, attr, new, "Linear -> Int8Linear")
     weight = linear.weight
     original = weight.data
@@ -82,7 +81,7 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
         if name == head_name and tied:
             factor = None if scale is None else float(scale)
             lookup = Int8Embedding(new, embed.weight.dtype, getattr(embed, "padding_idx", None), factor)
-            parent_name, _, attr = parts.spec.embed_tokens.rpartition(".")
-            recorder.set_submodule(FEATURE, get_attr_path(model, parent_name), attr, lookup, "tied embedding -> int8")
+            parent, attr = parent_and_name(model, parts.spec.embed_tokens)
+            recorder.set_submodule(FEATURE, parent, attr, lookup, "tied embedding -> int8")
         _swap(recorder, model, name, linear, new, config.keep_original)
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
