@@ -1,5 +1,8 @@
 """Int8 weights: tier (a) core maths, tier (b) Int8Linear vs a float layer with the dequantized weights, tier (c)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import assert_close, logits_of, random_batch, tiny_model
@@ -97,6 +100,15 @@ def test_int8_model_level_every_architecture(tiny, arch):
     hf_accel.unpatch_model(tiny)
     restored = logits_of(tiny, ids, mask)
     assert_close(restored, after, atol=1e-4, rtol=1e-4, name="unpatch restores dequantized weights")  # fp32
+
+
+def test_float_weights_are_released_unless_kept():
+    for keep in (False, True):
+        model = tiny_model("llama")
+        storage = weakref.ref(model.model.layers[0].mlp.down_proj.weight.untyped_storage())
+        hf_accel.patch_model(model, int8=hf_accel.Int8Config(keep_original=keep))
+        gc.collect()
+        assert (storage() is not None) == keep, f"keep_original={keep}"
 
 
 def test_keep_original_restores_bitwise():

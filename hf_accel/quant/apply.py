@@ -47,14 +47,14 @@ def _swap(recorder: Recorder, model: nn.Module, name: str, linear: nn.Linear, ne
     parent, attr = parent_and_name(model, name)
     recorder.set_submodule(FEATURE, parent, attr, new, "Linear -> Int8Linear")
     weight = linear.weight
-    original = weight.data
-    dtype = weight.dtype
+    dtype, device = weight.dtype, weight.device
+    original = weight.data if keep else None  # only a kept weight may stay referenced: the rest must be freed
 
-    def free() -> None:  # the float weight is released unless the user asked to keep it
-        weight.data = torch.empty(0, dtype=dtype, device=original.device)
+    def free() -> None:
+        weight.data = torch.empty(0, dtype=dtype, device=device)
 
     def restore() -> None:
-        weight.data = original if keep else dequantize(new.quantized, dtype)
+        weight.data = original if original is not None else dequantize(new.quantized, dtype)
 
     recorder.call(FEATURE, "float weight released" if not keep else "float weight kept", free, restore)
 

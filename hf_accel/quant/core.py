@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantError", "QuantizedWeight", "dequantize", "quantization_error", "quantize"]
+__all__ = ["QuantError", "QuantizedWeight", "dequantize", "dequantize_rows", "quantization_error", "quantize"]
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,15 @@ def quantize(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWe
     return QuantizedWeight(q.reshape(n, k).contiguous(), scale.contiguous(), size)
 
 
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` for any leading shape: ``q [..., K]`` int8, ``scale [..., G]`` -> ``[..., K]`` of ``dtype``."""
+    groups = q.reshape(*q.shape[:-1], scale.shape[-1], group_size).float()  # [..., G, group]
+    return (groups * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` as a dense ``[N, K]`` tensor of ``dtype``."""
-    n, k = qw.shape
-    groups = qw.qweight.reshape(n, k // qw.group_size, qw.group_size).float()  # [N, G, group]
-    return (groups * qw.scale.unsqueeze(-1)).reshape(n, k).to(dtype)
+    return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
 
 
 @dataclass(frozen=True)

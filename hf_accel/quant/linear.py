@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import QuantizedWeight, dequantize, quantize
+from .core import QuantizedWeight, dequantize, dequantize_rows, quantize
 from .kernel import native_kernel
 
 __all__ = ["DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear"]
@@ -93,8 +93,6 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        q = head.qweight[input_ids]  # [..., K] int8
-        scale = head.scale[input_ids]  # [..., G]
-        groups = q.reshape(*q.shape[:-1], scale.shape[-1], head.group_size).float()  # [..., G, group]
-        out = (groups * scale.unsqueeze(-1)).reshape(q.shape).to(self.dtype)
+        # rows of the head: q [..., K] int8, scale [..., G]
+        out = dequantize_rows(head.qweight[input_ids], head.scale[input_ids], head.group_size, self.dtype)
         return out if self.embed_scale is None else out * torch.tensor(self.embed_scale, dtype=self.dtype)
