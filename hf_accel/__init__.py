@@ -20,6 +20,7 @@ from .errors import (
 )
 from .fused import FusedGatedMLP
 from .models import load_default
+from .paged.cache import PagedCache
 from .patch import is_patched, patch_model, patch_report, unpatch_model
 from .registry import supported_model_types
 
@@ -38,6 +39,7 @@ __all__ = [
     "IncompatibleOptionsError",
     "Int8Config",
     "NotPatchedError",
+    "PagedCache",
     "PagedConfig",
     "SpeculativeConfig",
     "UnsupportedModelError",

@@ -56,18 +56,24 @@ class PagedConfig:
         num_blocks: blocks in the pool; ``None`` sizes the pool from ``max_memory``.
         max_memory: bytes the pool may reserve; ``None`` picks a budget from free memory.
         prefix_cache: keep full prompt blocks across ``generate`` calls and reuse matching prefixes.
+        attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds, else ``"gather"``),
+            ``"kernel"`` (error when unavailable) or ``"gather"`` (gather each row's context, then SDPA).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     max_memory: int | None = None
     prefix_cache: bool = False
+    attention: str = "auto"
+
+    ATTENTION_MODES: ClassVar[tuple[str, ...]] = ("auto", "kernel", "gather")
 
     def __post_init__(self) -> None:
         _check_int(self, "block_size", minimum=1)
         _check_int(self, "num_blocks", minimum=1, optional=True)
         _check_int(self, "max_memory", minimum=1, optional=True)
         _check_bool(self, "prefix_cache")
+        _check_choice(self, "attention", self.ATTENTION_MODES)
 
 
 @dataclass(frozen=True)

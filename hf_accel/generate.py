@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .patch import PatchState
     from .recorder import Recorder
 
-__all__ = ["PLUGIN_KWARGS", "GenerateKwarg", "bind_generate"]
+__all__ = ["PLUGIN_KWARGS", "GenerateCall", "GenerateKwarg", "bind_generate"]
 
 #: Every ``generate`` keyword hf_accel owns -> the feature that implements it.
 PLUGIN_KWARGS: dict[str, str] = {
@@ -33,6 +33,36 @@ PLUGIN_KWARGS: dict[str, str] = {
 }
 
 
+@dataclass
+class GenerateCall:
+    """One ``generate`` call on its way to Transformers: features may rewrite it and wrap its execution.
+
+    Args:
+        args / kwargs: what goes to the original ``generate`` (plugin kwargs already taken out).
+        around: wrappers ``wrap(proceed) -> output``; each must call ``proceed()`` once. The first one added
+            is the outermost.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    around: list[Callable[[Callable[[], Any]], Any]] = field(default_factory=list)
+
+    def input_ids(self) -> Any:
+        """The prompt tensor, wherever the caller put it (first positional, ``input_ids=`` or ``inputs=``)."""
+        if self.args:
+            return self.args[0]
+        return self.kwargs.get("input_ids", self.kwargs.get("inputs"))
+
+    def run(self, original: Callable[..., Any]) -> Any:
+        def innermost() -> Any:
+            return original(*self.args, **self.kwargs)
+
+        proceed = innermost
+        for wrap in reversed(self.around):
+            proceed = functools.partial(wrap, proceed)
+        return proceed()
+
+
 @dataclass(frozen=True)
 class GenerateKwarg:
     """One plugin keyword argument of ``generate``.
@@ -40,12 +70,12 @@ class GenerateKwarg:
     Args:
         name: the keyword.
         feature: the feature that owns it.
-        apply: ``apply(model, value, hf_kwargs)`` rewrites the remaining Transformers kwargs in place.
+        apply: ``apply(model, value, call)`` rewrites the :class:`GenerateCall` in place.
     """
 
     name: str
     feature: str
-    apply: Callable[[nn.Module, Any, dict[str, Any]], None]
+    apply: Callable[[nn.Module, Any, GenerateCall], None]
 
 
 def _split_plugin_kwargs(state: PatchState, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +83,7 @@ def _split_plugin_kwargs(state: PatchState, kwargs: dict[str, Any]) -> dict[str,
     return {name: kwargs.pop(name) for name in list(kwargs) if name in names}
 
 
-def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, Any], kwargs: dict[str, Any]) -> None:
+def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, Any], call: GenerateCall) -> None:
     for name, value in plugin.items():
         handler = state.generate_kwargs.get(name)
         if handler is None:
@@ -61,7 +91,7 @@ def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, 
             raise FeatureNotAvailableError(
                 f"generate({name}=...) needs hf_accel's {feature!r} feature, which this version does not provide"
             )
-        handler.apply(model, value, kwargs)
+        handler.apply(model, value, call)
 
 
 def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> None:
@@ -71,7 +101,10 @@ def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> No
     @functools.wraps(original)
     def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         plugin = _split_plugin_kwargs(state, kwargs)
-        _apply_plugin_kwargs(self, state, plugin, kwargs)
-        return original(*args, **kwargs)
+        call = GenerateCall(args, kwargs)
+        _apply_plugin_kwargs(self, state, plugin, call)
+        for hook in state.call_hooks:
+            hook(self, call)
+        return call.run(original)
 
     recorder.set_instance_attr("core", model, "generate", types.MethodType(generate, model), "generate wrapped")

@@ -15,10 +15,11 @@ from typing import Any
 
 from torch import nn
 
-from .config import AccelConfig, FusedMLPConfig
+from .config import AccelConfig, FusedMLPConfig, PagedConfig
 from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .fused.apply import apply_fused_mlp
-from .generate import GenerateKwarg, bind_generate
+from .generate import GenerateCall, GenerateKwarg, bind_generate
+from .paged.apply import apply_paged, bind_paged
 from .quant.apply import apply_int8
 from .recorder import Recorder
 from .registry import ModelParts, resolve
@@ -36,13 +37,14 @@ Applier = Callable[[nn.Module, ModelParts, Any, Recorder], None]
 class _Feature:
     apply: Applier | None  # None: not implemented in this version
     lossless: bool
+    bind: Callable[[nn.Module, PatchState, Any], None] | None = None  # adds generate kwargs / call hooks
 
 
 #: Feature name -> implementation. Order of application follows ``config.FEATURE_CONFIGS``.
 FEATURES: dict[str, _Feature] = {
     "int8": _Feature(apply_int8, lossless=False),
     "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
-    "paged": _Feature(None, lossless=True),
+    "paged": _Feature(apply_paged, lossless=True, bind=bind_paged),
     "speculative": _Feature(None, lossless=True),
     "compile": _Feature(None, lossless=True),
 }
@@ -50,7 +52,7 @@ FEATURES: dict[str, _Feature] = {
 
 def default_config() -> AccelConfig:
     """The config ``patch_model(model)`` uses: every implemented lossless feature, with its defaults."""
-    return AccelConfig(fused_mlp=FusedMLPConfig())
+    return AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig())
 
 
 @dataclass
@@ -61,6 +63,7 @@ class PatchState:
     model_type: str
     recorder: Recorder
     generate_kwargs: dict[str, GenerateKwarg] = field(default_factory=dict)
+    call_hooks: list[Callable[[nn.Module, GenerateCall], None]] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -116,7 +119,10 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
     state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder)
     try:
         for name in config.enabled():
-            FEATURES[name].apply(model, parts, getattr(config, name), recorder)
+            feature = FEATURES[name]
+            feature.apply(model, parts, getattr(config, name), recorder)
+            if feature.bind is not None:
+                feature.bind(model, state, getattr(config, name))
         bind_generate(model, state, recorder)
         recorder.set_instance_attr("core", model, _STATE_ATTR, state, "patch state attached")
     except BaseException:

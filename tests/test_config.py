@@ -23,6 +23,10 @@ from hf_accel import (
         (lambda: PagedConfig(num_blocks=-1), "PagedConfig.num_blocks must be an int >= 1 or None, got -1"),
         (lambda: PagedConfig(prefix_cache=1), "PagedConfig.prefix_cache must be a bool, got 1"),
         (
+            lambda: PagedConfig(attention="flash"),
+            "PagedConfig.attention must be one of 'auto', 'kernel', 'gather', got 'flash'",
+        ),
+        (
             lambda: SpeculativeConfig(strategy="magic"),
             "SpeculativeConfig.strategy must be one of 'prompt_lookup', 'draft', 'self', got 'magic'",
         ),

@@ -100,10 +100,10 @@ def test_plugin_kwargs_are_translated_and_the_rest_passes_through(pair):
     ids, _ = random_batch(1, [4])
     seen = {}
 
-    def apply(model, value, kwargs):
+    def apply(model, value, call):
         seen["value"] = value
-        seen["kwargs"] = dict(kwargs)
-        kwargs["max_new_tokens"] = value  # a handler rewrites Transformers' kwargs
+        seen["kwargs"] = dict(call.kwargs)
+        call.kwargs["max_new_tokens"] = value  # a handler rewrites Transformers' kwargs
 
     state = patched.__dict__["_hf_accel_state"]
     state.generate_kwargs["demo_tokens"] = GenerateKwarg("demo_tokens", "test", apply)
@@ -111,7 +111,7 @@ def test_plugin_kwargs_are_translated_and_the_rest_passes_through(pair):
     assert seen["value"] == 5
     assert seen["kwargs"]["max_new_tokens"] == 2 and "demo_tokens" not in seen["kwargs"]
     assert out.shape[1] == 4 + 5
-    assert hf_accel.patch_report(patched)["generate_kwargs"] == ["demo_tokens"]
+    assert hf_accel.patch_report(patched)["generate_kwargs"] == ["demo_tokens", "paged"]
 
 
 def test_pipeline_text_generation_on_a_patched_model(tmp_path):

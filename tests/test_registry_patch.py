@@ -82,14 +82,19 @@ def test_patch_report_counts_changes():
     model = hf_accel.patch_model(tiny_model("qwen3"))
     report = hf_accel.patch_report(model)
     assert report["model_type"] == "qwen3"
-    assert report["features"] == {"fused_mlp": {"eager": False}}
+    assert report["features"] == {
+        "fused_mlp": {"eager": False},
+        "paged": {"block_size": 16, "num_blocks": None, "max_memory": None, "prefix_cache": False, "attention": "auto"},
+    }
+    assert report["changes"]["paged"] == {"attention sdpa -> hf_accel_paged:sdpa": 1}
     assert report["changes"]["fused_mlp"] == {"gate_proj weight shared": 2, "up_proj weight shared": 2, "MLP fused": 2}
     assert report["changes"]["core"] == {"generate wrapped": 1, "patch state attached": 1}
 
 
 def test_patch_with_no_features_still_wraps_generate():
-    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False)
+    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False, paged=False)
     assert hf_accel.patch_report(model)["features"] == {}
+    assert model.config._attn_implementation == "sdpa"
     assert "generate" in model.__dict__
     assert not any(isinstance(m, FusedGatedMLP) for m in model.modules())
 
@@ -174,9 +179,10 @@ def test_unknown_feature_and_wrong_config_type():
 def test_feature_not_yet_available_is_a_clear_error():
     model = tiny_model("llama")
     with pytest.raises(FeatureNotAvailableError) as info:
-        hf_accel.patch_model(model, paged=True)
+        hf_accel.patch_model(model, speculative=True)
     assert str(info.value) == (
-        "feature 'paged' is not implemented in this version of hf_accel; available features: int8, fused_mlp"
+        "feature 'speculative' is not implemented in this version of hf_accel; "
+        "available features: int8, fused_mlp, paged"
     )
     assert not hf_accel.is_patched(model)
 

@@ -1,0 +1,79 @@
+"""Native CPU kernels built on first use with ``torch.utils.cpp_extension`` (AVX2 + FMA CPUs only).
+
+:func:`load_extension` returns the compiled module, or ``None`` with the reason in :func:`extension_status`
+when it cannot be had here (no AVX2, no compiler). Callers choose a path explicitly and report it. Builds
+land in ``$HF_ACCEL_CACHE/ext/<name>-<source sha>-torch<version>``, so a changed source builds afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .models import cache_dir
+
+__all__ = ["extension_status", "load_extension"]
+
+logger = logging.getLogger(__name__)
+
+_modules: dict[str, ModuleType | None] = {}
+_status: dict[str, str] = {}
+
+
+def _cpu_has_avx2() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    return capability in ("AVX2", "AVX512")
+
+
+def _build(name: str, source: Path) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:12]
+    build_dir = cache_dir() / "ext" / f"{name}-{digest}-torch{torch.__version__.split('+')[0]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("hf_accel: building the %s kernel in %s (once)", name, build_dir)
+    return load(
+        name=f"hf_accel_{name}",
+        sources=[str(source)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("HF_ACCEL_VERBOSE_BUILD") == "1",
+    )
+
+
+def load_extension(name: str, source: Path) -> ModuleType | None:
+    """The compiled module ``name`` built from ``source``, or ``None``; cached per process.
+
+    Args:
+        name: a short identifier (``"int8_gemm"``, ``"paged_attention"``).
+        source: the C++ file.
+
+    Returns:
+        The module, or ``None`` when the CPU lacks AVX2 or the build failed (logged once, reason in
+        :func:`extension_status`).
+    """
+    if name not in _modules:
+        if not _cpu_has_avx2():
+            _modules[name] = None
+            _status[name] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2"
+        else:
+            try:
+                _modules[name] = _build(name, source)
+                _status[name] = "native AVX2 kernel"
+            except (RuntimeError, OSError, ImportError) as err:  # no compiler / build failure
+                _modules[name] = None
+                _status[name] = f"native kernel build failed: {err}"
+                logger.warning("hf_accel: %s kernel: %s; using the pure-torch path", name, _status[name])
+    return _modules[name]
+
+
+def extension_status(name: str, source: Path) -> str:
+    """Why :func:`load_extension` returned what it did."""
+    load_extension(name, source)
+    return _status[name]

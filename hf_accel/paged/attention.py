@@ -1,0 +1,253 @@
+"""Paged attention as a Transformers attention implementation (plus its mask function).
+
+``register(base)`` adds ``"hf_accel_paged:<base>"`` to ``AttentionInterface`` and ``AttentionMaskInterface``
+(done by :func:`hf_accel.patch_model`, never at import). ``base`` is the implementation the model used
+before (``"sdpa"``, ``"eager"``, ...): whenever the K/V do not come from a :class:`~.cache.PagedCache`
+(no cache, a ``DynamicCache``, ...), the call goes to the base function with the base mask, unchanged.
+
+With a ``PagedCache``, the mask function returns a :class:`PagedMask` (the 2D padding mask, no 4D mask
+is built); the attention function writes the chunk's real tokens into the pool and then attends:
+
+* decode-sized chunks (``Q <= DECODE_MAX_QUERY``) on CPU: the native kernel reads K/V straight from the
+  pool through the block tables (no contiguous copy of the context);
+* ``gather`` path (prefill, other devices, or on request): per row, SDPA over the new tokens when the row
+  had no context (nothing is gathered), else over the row's context gathered from the pool. This is also the
+  reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._ext import extension_status, load_extension
+from ..errors import IncompatibleOptionsError
+from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
+
+__all__ = ["DECODE_MAX_QUERY", "PagedMask", "dense_attention", "kernel_status", "paged_name", "register"]
+
+#: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
+DECODE_MAX_QUERY = 16
+_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def paged_name(base: str) -> str:
+    return f"{PAGED_ATTENTION_PREFIX}{base}"
+
+
+def native_kernel() -> ModuleType | None:
+    return load_extension("paged_attention", _SOURCE)
+
+
+def kernel_status() -> str:
+    """Whether the native paged-attention kernel is available here, and why not."""
+    return extension_status("paged_attention", _SOURCE)
+
+
+@dataclass
+class PagedMask:
+    """What the paged mask function hands every layer: the padding mask, and the base mask on demand.
+
+    Args:
+        padding: ``[B, kv_length]`` bool (True = real token), or ``None`` when there is no padding mask.
+        base_fn / base_kwargs: the base implementation's mask function and its arguments, for layers whose
+            K/V do not come from a ``PagedCache``.
+    """
+
+    padding: torch.Tensor | None
+    base_fn: Callable[..., Any]
+    base_kwargs: dict[str, Any]
+    _base: Any = field(default=None, repr=False)
+    _built: bool = field(default=False, repr=False)
+
+    def base(self) -> Any:
+        if not self._built:
+            self._base, self._built = self.base_fn(**self.base_kwargs), True
+        return self._base
+
+    def chunk_padding(self, q_len: int) -> torch.Tensor | None:
+        """``[B, Q]`` bool for the chunk being processed (the last ``q_len`` positions)."""
+        return None if self.padding is None else self.padding[:, -q_len:]
+
+
+def _make_mask_function(base: str) -> Callable[..., PagedMask]:
+    def paged_mask(**kwargs: Any) -> PagedMask:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        mask = kwargs.get("attention_mask")
+        padding = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+        return PagedMask(padding=padding, base_fn=ALL_MASK_ATTENTION_FUNCTIONS[base], base_kwargs=kwargs)
+
+    paged_mask.__name__ = f"paged_mask_{base}"
+    return paged_mask
+
+
+def _base_attention(module: nn.Module, base: str) -> Callable[..., Any]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base != "eager" and base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise IncompatibleOptionsError(f"{type(module).__name__} has no eager_attention_forward to fall back to")
+    return eager
+
+
+def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, None]]:
+    def paged_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        layer: PagedLayer | None = key.__dict__.get(LAYER_TAG)
+        if layer is None:  # not a PagedCache: the base implementation, untouched
+            mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
+            return _base_attention(module, base)(
+                module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        if attention_mask is not None and not isinstance(attention_mask, PagedMask):
+            raise IncompatibleOptionsError(
+                "PagedCache does not take a custom 4D attention mask; pass a 2D padding mask"
+            )
+        # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] (this chunk only)
+        batch, _, q_len, head_dim = query.shape
+        padding = attention_mask.chunk_padding(q_len) if attention_mask is not None else None
+        step = layer.cache.step_for(layer.layer_idx, batch, q_len, padding)
+        layer.write(key, value, step)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+        window = kwargs.get("sliding_window") or 0
+        softcap = kwargs.get("softcap") or 0.0
+        out = attend(layer, query, key, value, step, scale, int(window), float(softcap))
+        return out, None  # out: [B, Q, H_q, D]
+
+    paged_attention.__name__ = f"paged_attention_{base}"
+    return paged_attention
+
+
+def register(base: str) -> str:
+    """Register ``"hf_accel_paged:<base>"`` with Transformers' attention and mask interfaces; returns the name."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    if base.startswith(PAGED_ATTENTION_PREFIX):
+        raise IncompatibleOptionsError(f"attention implementation {base!r} is already hf_accel's paged attention")
+    name = paged_name(base)
+    AttentionInterface.register(name, _make_attention_function(base))
+    AttentionMaskInterface.register(name, _make_mask_function(base))
+    return name
+
+
+def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
+    mode = layer.cache.attention
+    if mode == "gather" or query.shape[2] > DECODE_MAX_QUERY:
+        return False
+    usable = query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES and native_kernel() is not None
+    if mode == "kernel" and not usable:
+        raise IncompatibleOptionsError(
+            f"PagedCache(attention='kernel') needs a CPU tensor of {_KERNEL_DTYPES} and the native kernel "
+            f"({kernel_status()}); got {query.dtype} on {query.device}; use attention='auto'"
+        )
+    return usable
+
+
+def attend(
+    layer: PagedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step: _Step,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention of ``query`` ([B, H_q, Q, D]) over each row's stored context; returns [B, Q, H_q, D].
+
+    ``key``/``value`` ([B, H_kv, Q, D]) are this chunk's own K/V, already written to the pool; rows with no
+    earlier context attend over them directly instead of reading them back.
+    """
+    if _use_kernel(layer, query):
+        t = step.tensors(layer.device)
+        return native_kernel().paged_attention(  # type: ignore[union-attr]
+            query, layer.keys, layer.values, t["block_tables"], t["q_pos"], scale, window, softcap
+        )
+    return gather_attention(layer, query, key, value, step, scale, window, softcap)
+
+
+def gather_attention(
+    layer: PagedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step: _Step,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """The explicitly named fallback: per row, gather the context from the pool and attend densely.
+
+    A row whose chunk is its whole context (a fresh prefill) attends over the chunk's K/V; nothing is gathered.
+    """
+    batch, heads, q_len, dim = query.shape
+    out = query.new_zeros(batch, q_len, heads, dim)
+    for row in range(batch):
+        pos = step.q_pos[row]
+        real = (pos >= 0).nonzero().flatten()
+        if real.numel() == 0:
+            continue
+        q = query[row][:, real.to(query.device)]  # [H_q, r, D]
+        if step.fresh[row]:
+            k, v = key[row][:, real.to(key.device)], value[row][:, real.to(key.device)]  # [H_kv, r, D]
+        else:
+            k, v = layer.context(row, step)  # [H_kv, S, D]
+        o = dense_attention(q, k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
+        out[row, real.to(query.device)] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: list[int],
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Reference attention of queries at token ``positions`` over keys ``0..S-1`` of one sequence.
+
+    Shapes: q ``[H_q, r, D]``; k, v ``[H_kv, S, D]``; returns ``[H_q, r, D]``. Query ``i`` sees keys
+    ``t <= positions[i]`` (and ``t > positions[i] - window`` when ``window > 0``); ``softcap > 0`` applies
+    ``softcap * tanh(score / softcap)`` to the scores.
+    """
+    groups = q.shape[0] // k.shape[0]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    pos = torch.tensor(positions, device=q.device)[:, None]  # [r, 1]
+    t = torch.arange(k.shape[1], device=q.device)[None, :]  # [1, S]
+    visible = t <= pos
+    if window > 0:
+        visible &= t > pos - window
+    causal_tail = positions == list(range(k.shape[1] - len(positions), k.shape[1]))
+    if softcap <= 0:
+        if causal_tail and window <= 0 and len(positions) == k.shape[1]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, r, S]
+    scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)

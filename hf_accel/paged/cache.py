@@ -1,0 +1,583 @@
+"""``PagedCache``: a Transformers ``Cache`` whose K/V live in a preallocated block pool per layer.
+
+The adapter between Transformers' cache contract and the pure block manager (:mod:`.blocks`):
+
+* every layer owns one K pool and one V pool, ``[num_blocks, block_size, kv_heads, head_dim]``, on that
+  layer's device; the block tables are shared by all layers (one :class:`~.blocks.BlockManager`);
+* each batch row is one sequence of *real* tokens: left padding is never stored, so a row's table only
+  covers what it attends to; the logical length Transformers sees (``get_seq_length``) is the padded one;
+* ``update`` does not copy anything: it tags the new K/V with their layer and hands them to the paged
+  attention function (:mod:`.attention`), which knows from the padding mask which tokens are real, writes
+  those into the pool and attends over the pool through the block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..errors import CacheFullError, IncompatibleOptionsError
+from .blocks import BlockCopy, BlockManager
+
+__all__ = ["PAGED_ATTENTION_PREFIX", "PagedCache", "PagedLayer"]
+
+logger = logging.getLogger(__name__)
+
+#: Attention implementations registered by hf_accel are named ``"hf_accel_paged:<base>"``.
+PAGED_ATTENTION_PREFIX = "hf_accel_paged:"
+#: Attribute set on the K tensor ``update`` returns: the :class:`PagedLayer` it belongs to.
+LAYER_TAG = "_hf_accel_paged_layer"
+
+_CPU_DEFAULT_CAP = 4 << 30
+
+
+def _default_budget(device: torch.device) -> int:
+    """Bytes a pool may reserve when the user gives neither ``num_blocks`` nor ``max_memory``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = _CPU_DEFAULT_CAP * 4
+    return min(_CPU_DEFAULT_CAP, available // 4)
+
+
+@dataclass
+class _Step:
+    """What one forward pass writes: computed at its first layer, reused by every other layer."""
+
+    q_len: int
+    valid: torch.Tensor  # [B, Q] bool: real (stored) tokens of this chunk
+    all_valid: bool
+    slots: torch.Tensor  # [N] int64: pool slot of each valid token, row-major
+    copies: list[BlockCopy]
+    block_tables: torch.Tensor  # [B, MB] int32
+    q_pos: torch.Tensor  # [B, Q] int32: index of each query in its sequence, -1 for padding / released rows
+    fresh: list[bool]  # per row: nothing stored before this chunk
+    ctx_slots: list[torch.Tensor | None]  # per row: slots of its whole context (dense path), lazily
+    last_layer: int = -1
+    on_device: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device not in self.on_device:
+            names = ("valid", "slots", "block_tables", "q_pos")
+            self.on_device[device] = {n: getattr(self, n).to(device) for n in names}
+        return self.on_device[device]
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's K/V pools. Sequence bookkeeping lives in the owning :class:`PagedCache`."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(
+        self,
+        cache: PagedCache,
+        layer_idx: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.device = device
+        self.dtype = dtype
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # never read before written
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.is_initialized = True
+        self._pending = False
+
+    def __repr__(self) -> str:
+        return f"PagedLayer({self.layer_idx})"
+
+    # --- CacheLayerMixin contract (sequence state is the cache's) ---
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        return self.cache.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # the pool keeps its storage; the cache drops the tables
+        self._pending = False
+
+    def offload(self) -> None:
+        raise IncompatibleOptionsError("PagedCache does not support offloading; size the pool instead")
+
+    def prefetch(self) -> None:
+        return None
+
+    # --- pool access ---
+    def write(self, key: torch.Tensor, value: torch.Tensor, step: _Step) -> None:
+        """Store the real tokens of this chunk. ``key``/``value``: [B, H_kv, Q, D]."""
+        self._pending = False
+        t = step.tensors(self.device)
+        for c in step.copies:  # copy-on-write of shared partial blocks
+            self.keys[c.dst, : c.num_tokens] = self.keys[c.src, : c.num_tokens]
+            self.values[c.dst, : c.num_tokens] = self.values[c.src, : c.num_tokens]
+        if t["slots"].numel() == 0:
+            return
+        k = key.transpose(1, 2)  # [B, Q, H_kv, D]
+        v = value.transpose(1, 2)
+        if step.all_valid:
+            k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        else:
+            k, v = k[t["valid"]], v[t["valid"]]  # [N, H_kv, D]
+        flat = (-1, *self.keys.shape[2:])
+        self.keys.view(flat).index_copy_(0, t["slots"], k.to(self.dtype))
+        self.values.view(flat).index_copy_(0, t["slots"], v.to(self.dtype))
+
+    def context(self, row: int, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s whole stored context, gathered: ``[H_kv, S, D]`` each (dense path only)."""
+        slots = self.cache._context_slots(row, step).to(self.device)
+        flat = (-1, *self.keys.shape[2:])
+        k = self.keys.view(flat).index_select(0, slots).transpose(0, 1)
+        v = self.values.view(flat).index_select(0, slots).transpose(0, 1)
+        return k, v
+
+
+def _kv_geometry(model: nn.Module) -> tuple[int, int, int]:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def _layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
+    """The device of each decoder layer (its first parameter or buffer), so each pool sits next to its layer."""
+    from ..registry import get_attr_path, get_spec
+
+    layers = get_attr_path(model, get_spec(model).layers)
+    devices = []
+    for layer in list(layers)[:num_layers]:
+        tensor = next(iter(layer.parameters()), None)
+        if tensor is None:
+            tensor = next(iter(layer.buffers()), None)
+        devices.append(tensor.device if tensor is not None else torch.device("cpu"))
+    return devices
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+class PagedCache(Cache):
+    """A paged KV cache for ``model.generate`` (on a model patched by :func:`hf_accel.patch_model`).
+
+    Args:
+        model: the causal LM this cache is for; K/V shapes, dtype and per-layer devices are taken from it.
+        num_blocks: blocks in the pool; ``None`` sizes the pool from ``max_memory``.
+        block_size: tokens per block.
+        max_memory: bytes all layers' pools may reserve together; ``None``: half the free GPU memory, or on CPU
+            a quarter of the available RAM capped at 4 GiB. Pools are allocated with ``torch.empty``, so untouched
+            CPU pages cost nothing until used.
+        prefix_cache: publish full blocks of finished prompts/sequences and reuse them for later prompts that
+            start with the same tokens (across ``generate`` calls that pass this cache).
+        attention: ``"auto"`` (native kernel on CPU when available, else gather), ``"kernel"`` or ``"gather"``
+            for the decode path (the prefill path always attends densely per row).
+
+    Raises:
+        IncompatibleOptionsError: a bad size, or a pool too small for a single block.
+
+    Example::
+
+        cache = hf_accel.PagedCache(model, max_memory=512 << 20)
+        out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=64)
+        cache.stats()["utilisation"]
+    """
+
+    ATTENTION_MODES = ("auto", "kernel", "gather")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_memory: int | None = None,
+        prefix_cache: bool = True,
+        attention: str = "auto",
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise IncompatibleOptionsError(f"PagedCache.block_size must be an int >= 1, got {block_size!r}")
+        if num_blocks is not None and (
+            isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1
+        ):
+            raise IncompatibleOptionsError(f"PagedCache.num_blocks must be an int >= 1 or None, got {num_blocks!r}")
+        if attention not in self.ATTENTION_MODES:
+            raise IncompatibleOptionsError(
+                f"PagedCache.attention must be one of {', '.join(map(repr, self.ATTENTION_MODES))}, got {attention!r}"
+            )
+        num_layers, kv_heads, head_dim = _kv_geometry(model)
+        dtype = _model_dtype(model)
+        devices = _layer_devices(model, num_layers)
+        token_bytes = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        block_bytes = num_layers * block_size * token_bytes
+        if num_blocks is None:
+            budget = max_memory if max_memory is not None else _default_budget(devices[0])
+            num_blocks = budget // block_bytes
+            if num_blocks < 1:
+                raise IncompatibleOptionsError(
+                    f"PagedCache.max_memory={budget} bytes holds no block: one block of {block_size} tokens over "
+                    f"{num_layers} layers takes {block_bytes} bytes"
+                )
+        self.config = model.config
+        self.model_type = getattr(model.config, "model_type", type(model).__name__)
+        self._model_id = id(model)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.block_bytes = block_bytes
+        self.prefix_cache = prefix_cache
+        self.attention = attention
+        self.manager = BlockManager(num_blocks, block_size)
+        layers = [
+            PagedLayer(self, i, num_blocks, block_size, kv_heads, head_dim, dtype, devices[i])
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self._rows: list[int | None] = []  # per batch row: sequence id, or None once released
+        self._length = 0  # logical (padded) length, what Transformers sees
+        self._step: _Step | None = None
+        self._prefix_hit_tokens = 0
+        self._prompt_tokens = 0
+        self.peak_blocks_used = 0
+
+    # ------------------------------------------------------------------------------------ reporting
+    @property
+    def max_tokens(self) -> int:
+        """Tokens the pool holds (all sequences together)."""
+        return self.num_blocks * self.block_size
+
+    def __repr__(self) -> str:
+        reserved = self.num_blocks * self.block_bytes
+        return (
+            f"PagedCache(model_type={self.model_type!r}, layers={len(self.layers)}, blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, tokens={self.max_tokens}, reserved={reserved / 2**20:.1f} MiB, "
+            f"dtype={str(self.dtype).removeprefix('torch.')}, rows={len(self._rows)}, seq_length={self._length})"
+        )
+
+    def stats(self) -> dict[str, float | int]:
+        """Block and memory accounting.
+
+        Returns:
+            ``blocks_total``, ``blocks_used`` (held by live rows), ``blocks_cached`` (held only by the prefix
+            table), ``blocks_free``, ``blocks_shared`` (by more than one row), ``bytes_reserved``, ``bytes_live``
+            (K/V bytes of tokens live rows hold), ``utilisation`` (``bytes_live`` / bytes of the blocks in use),
+            ``live_tokens``, ``prefix_hit_tokens`` / ``prompt_tokens`` (since construction), ``peak_blocks_used``.
+        """
+        m = self.manager
+        live_tokens = sum(m.num_tokens(s) for s in self._rows if s is not None)
+        live_blocks = {b for s in self._rows if s is not None for b in m.block_table(s)}
+        cached_only = m.num_evictable
+        token_bytes = self.block_bytes // self.block_size
+        in_use = len(live_blocks) * self.block_bytes
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_used": len(live_blocks),
+            "blocks_cached": cached_only,
+            "blocks_free": m.num_free,
+            "blocks_shared": m.num_shared(),
+            "bytes_reserved": self.num_blocks * self.block_bytes,
+            "bytes_live": live_tokens * token_bytes,
+            "utilisation": (live_tokens * token_bytes / in_use) if in_use else 1.0,
+            "live_tokens": live_tokens,
+            "prefix_hit_tokens": self._prefix_hit_tokens,
+            "prompt_tokens": self._prompt_tokens,
+            "peak_blocks_used": self.peak_blocks_used,
+        }
+
+    # --------------------------------------------------------------------------- Cache contract
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Hand this layer's new K/V ([B, H_kv, Q, D]) to the paged attention function, tagged with the layer.
+
+        Raises:
+            IncompatibleOptionsError: the model does not run hf_accel's paged attention, or K/V do not match the
+                pool (another model, dtype or device).
+        """
+        impl = getattr(self.config, "_attn_implementation", None) or ""
+        if not impl.startswith(PAGED_ATTENTION_PREFIX):
+            raise IncompatibleOptionsError(
+                f"PagedCache needs hf_accel's paged attention, but the model's attention implementation is {impl!r}; "
+                "patch the model first: hf_accel.patch_model(model) (the 'paged' feature)"
+            )
+        layer = self.layers[layer_idx]
+        if key_states.shape[1] != self.kv_heads or key_states.shape[-1] != self.head_dim:
+            raise IncompatibleOptionsError(
+                f"PagedCache was built for K/V of {self.kv_heads} heads x {self.head_dim} dims, got "
+                f"{tuple(key_states.shape)}: a PagedCache belongs to the model it was built for"
+            )
+        if key_states.dtype != layer.dtype or key_states.device != layer.device:
+            raise IncompatibleOptionsError(
+                f"PagedCache layer {layer_idx} holds {layer.dtype} on {layer.device}, but the model produced "
+                f"{key_states.dtype} on {key_states.device}; build the cache after moving/casting the model"
+            )
+        if layer._pending:
+            raise RuntimeError(
+                f"layer {layer_idx}'s previous K/V never reached hf_accel's paged attention: the attention function "
+                "of this architecture does not consume the cache's output; paged generation is unsupported here"
+            )
+        layer._pending = True
+        setattr(key_states, LAYER_TAG, layer)
+        return key_states, value_states
+
+    def reset(self) -> None:
+        """Drop every row (their blocks return to the pool); published prefix blocks stay cached."""
+        for seq in self._rows:
+            if seq is not None:
+                self.manager.free(seq)
+        self._rows = []
+        self._length = 0
+        self._step = None
+        for layer in self.layers:
+            layer.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of every row (speculative rollback); frees blocks."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        n = -tokens_to_remove
+        if n == 0:
+            return
+        if n > self._length:
+            raise ValueError(f"cannot remove {n} tokens from a cache of {self._length}")
+        for seq in self._rows:
+            if seq is None:
+                continue
+            have = self.manager.num_tokens(seq)
+            if have < n:
+                raise ValueError(f"cannot remove {n} tokens from a row that holds {have} real tokens")
+            self.manager.truncate(seq, have - n)
+        self._length -= n
+        self._step = None
+
+    def _remap_rows(self, sources: Sequence[int]) -> None:
+        new_rows = [None if self._rows[i] is None else self.manager.fork(self._rows[i]) for i in sources]
+        for seq in self._rows:
+            if seq is not None:
+                self.manager.free(seq)
+        self._rows = new_rows
+        self._step = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row ``j`` becomes a fork of old row ``beam_idx[j]`` (block tables are shared, not copied)."""
+        self._remap_rows([int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._remap_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._remap_rows([i for i in range(len(self._rows)) for _ in range(repeats)])
+
+    # ------------------------------------------------------------------------------- requests
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Begin a new batch of prompts: drop the previous rows and adopt cached prefixes.
+
+        Args:
+            input_ids: ``[B, L]`` left-padded prompts.
+            attention_mask: ``[B, L]`` (1 = token, 0 = left padding), or ``None``.
+
+        Returns:
+            The logical length already in the cache (0 without a prefix hit); ``generate`` continues from there.
+
+        Raises:
+            IncompatibleOptionsError: right padding or holes in ``attention_mask``.
+            CacheFullError: the prompts alone need more blocks than the pool has.
+        """
+        self.reset()
+        real = _real_tokens(input_ids, attention_mask)
+        pads = [input_ids.shape[1] - len(toks) for toks in real]
+        need = sum(-(-len(toks) // self.block_size) for toks in real)
+        if need > self.num_blocks:
+            raise CacheFullError(
+                need,
+                self.num_blocks,
+                f"the {len(real)} prompts alone need {need} blocks of {self.block_size} tokens but the pool has "
+                f"{self.num_blocks}; raise num_blocks/max_memory or send fewer/shorter prompts",
+            )
+        matches = [self.manager.match_prefix(t[:-1]) if self.prefix_cache else [] for t in real]
+        start = min(p + len(m) * self.block_size for p, m in zip(pads, matches, strict=True))
+        for toks, pad, blocks in zip(real, pads, matches, strict=True):
+            adopted = max(0, start - pad)
+            self._rows.append(self.manager.adopt(blocks, adopted) if adopted else self.manager.new_sequence())
+            self._prefix_hit_tokens += adopted
+            self._prompt_tokens += len(toks)
+        self._length = start
+        return start
+
+    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Publish the full blocks of each live row (its real tokens from ``sequences``) in the prefix table."""
+        if not self.prefix_cache:
+            return
+        for row, toks in enumerate(_real_tokens(sequences, attention_mask)):
+            seq = self._rows[row] if row < len(self._rows) else None
+            if seq is not None:
+                self.manager.publish(seq, toks[: self.manager.num_tokens(seq)])
+
+    def release(self, row: int, tokens: Sequence[int] | None = None) -> None:
+        """Row ``row`` finished: publish its blocks (if ``tokens`` and prefix caching) and free them."""
+        seq = self._rows[row]
+        if seq is None:
+            return
+        if tokens is not None and self.prefix_cache:
+            self.manager.publish(seq, list(tokens)[: self.manager.num_tokens(seq)])
+        self.manager.free(seq)
+        self._rows[row] = None
+        self._step = None
+
+    def released(self, row: int) -> bool:
+        return self._rows[row] is None
+
+    def clear_prefix_cache(self) -> None:
+        self.manager.clear_prefix_cache()
+
+    # --------------------------------------------------------------------------- per forward
+    def step_for(self, layer_idx: int, batch: int, q_len: int, padding: torch.Tensor | None) -> _Step:
+        """The current forward's write plan; a new one starts when layer indices stop increasing.
+
+        Args:
+            layer_idx: the layer asking.
+            batch: rows in the forward.
+            q_len: tokens per row in this chunk.
+            padding: ``[B, Q]`` bool, True where the chunk's token is real; ``None`` = all real.
+        """
+        step = self._step
+        if step is None or layer_idx <= step.last_layer or step.q_len != q_len:
+            step = self._plan(batch, q_len, padding)
+            self._step = step
+        step.last_layer = layer_idx
+        return step
+
+    def _plan(self, batch: int, q_len: int, padding: torch.Tensor | None) -> _Step:
+        if not self._rows and self._length == 0:  # a forward without start(), e.g. a plain model(...) call
+            self._rows = [self.manager.new_sequence() for _ in range(batch)]
+        if batch != len(self._rows):
+            raise IncompatibleOptionsError(
+                f"PagedCache holds {len(self._rows)} rows but the model got a batch of {batch}; "
+                "call cache.start(...) for a new batch (a PagedCache serves one batch at a time)"
+            )
+        B = len(self._rows)
+        valid = padding.to("cpu", torch.bool) if padding is not None else torch.ones(B, q_len, dtype=torch.bool)
+        alive = torch.tensor([s is not None for s in self._rows])
+        valid = valid & alive[:, None]
+        counts = valid.sum(1).tolist()
+        m = self.manager
+        needed = sum(m.blocks_needed(s, c) for s, c in zip(self._rows, counts, strict=True) if s is not None)
+        available = m.num_free + m.num_evictable
+        if needed > available:
+            raise CacheFullError(
+                needed,
+                available,
+                f"this step needs {needed} more blocks of {self.block_size} tokens for {B} rows but {available} "
+                f"are free ({self.num_blocks} total); raise num_blocks/max_memory, or lower the batch size or "
+                "max_new_tokens",
+            )
+        slots: list[int] = []
+        copies: list[BlockCopy] = []
+        before = []
+        for seq, count in zip(self._rows, counts, strict=True):
+            before.append(m.num_tokens(seq) if seq is not None else 0)
+            if seq is None or count == 0:
+                continue
+            got = m.append_slots(seq, count)
+            if got is None:  # cannot happen after the check above; keep the state honest if it does
+                raise CacheFullError(needed, m.num_free, "block reclaim failed")
+            slots.extend(got[0])
+            copies.extend(got[1])
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - m.num_free - m.num_evictable)
+        rank = valid.to(torch.int32).cumsum(1) - 1  # index of each real token among the chunk's real tokens
+        q_pos = torch.where(valid, rank + torch.tensor(before, dtype=torch.int32)[:, None], -1).to(torch.int32)
+        tables = [m.block_table(s) if s is not None else [] for s in self._rows]
+        width = max(1, max(len(t) for t in tables))
+        block_tables = torch.zeros(B, width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self._length += q_len
+        return _Step(
+            q_len=q_len,
+            valid=valid,
+            all_valid=bool(valid.all()),
+            slots=torch.tensor(slots, dtype=torch.int64),
+            copies=copies,
+            block_tables=block_tables,
+            q_pos=q_pos,
+            fresh=[b == 0 for b in before],
+            ctx_slots=[None] * B,
+        )
+
+    def _context_slots(self, row: int, step: _Step) -> torch.Tensor:
+        cached = step.ctx_slots[row]
+        if cached is None:
+            seq = self._rows[row]
+            n = self.manager.num_tokens(seq) if seq is not None else 0
+            table = torch.tensor(self.manager.block_table(seq) if seq is not None else [], dtype=torch.int64)
+            t = torch.arange(n)
+            cached = table[t // self.block_size] * self.block_size + t % self.block_size if n else t
+            step.ctx_slots[row] = cached
+        return cached
+
+
+def _real_tokens(ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's tokens without its left padding; rejects right padding and holes."""
+    if mask is None:
+        return ids.tolist()
+    mask = mask.to("cpu").bool()
+    if mask.shape != ids.shape:
+        raise IncompatibleOptionsError(
+            f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}"
+        )
+    out = []
+    for row, (toks, m) in enumerate(zip(ids.tolist(), mask.tolist(), strict=True)):
+        n = sum(m)
+        if any(m[: len(m) - n]) or not all(m[len(m) - n :]):
+            raise IncompatibleOptionsError(
+                f"PagedCache needs left padding: row {row} of attention_mask has padding after a token; "
+                "set tokenizer.padding_side = 'left'"
+            )
+        out.append(toks[len(toks) - n :])
+    return out

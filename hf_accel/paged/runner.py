@@ -1,0 +1,139 @@
+"""One ``generate`` call on a :class:`~.cache.PagedCache`: before, during and after Transformers' loop.
+
+Before: the cache starts a new batch (dropping the previous one) and adopts cached prompt prefixes. When
+``generate`` will expand each prompt (``num_return_sequences`` or beams), the shared prompt is prefilled
+once and its block table forked per copy, so the copies share K/V instead of recomputing it.
+During: a logits processor that never changes scores watches the sequences: after the prefill it publishes
+the prompt blocks (prefix cache); a row that has produced EOS gives its blocks back while the rest go on.
+After: the full blocks of finished sequences are published for later calls.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from ..errors import IncompatibleOptionsError
+from .cache import PagedCache
+
+__all__ = ["PagedRowTracker", "run_paged"]
+
+
+class PagedRowTracker(LogitsProcessor):
+    """Publishes prompt blocks after prefill and releases rows that finished on EOS. Scores pass unchanged.
+
+    Args:
+        cache: the call's cache.
+        prompt_len: padded prompt length (tokens at or beyond it were generated).
+        pads: left padding of each (expanded) row.
+        eos: EOS token ids; empty disables early release.
+        release: whether finished rows may give back their blocks (not for beam search, whose rows move).
+    """
+
+    def __init__(self, cache: PagedCache, prompt_len: int, pads: list[int], eos: list[int], release: bool) -> None:
+        self.cache = cache
+        self.prompt_len = prompt_len
+        self.pads = pads
+        self.eos = torch.tensor(eos, dtype=torch.long)
+        self.release = release and bool(eos)
+        self._first = True
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._first:
+            self._first = False
+            if self.cache.prefix_cache:
+                for row in range(input_ids.shape[0]):
+                    if not self.cache.released(row):
+                        self.cache.manager.publish(self.cache._rows[row], input_ids[row, self.pads[row] :].tolist())
+            return scores
+        if self.release and input_ids.shape[1] > self.prompt_len:
+            done = torch.isin(input_ids[:, -1].cpu(), self.eos).tolist()
+            for row, finished in enumerate(done):
+                if finished and not self.cache.released(row):
+                    self.cache.release(row, input_ids[row, self.pads[row] :].tolist())
+        return scores
+
+
+def _generation_config(model: nn.Module, kwargs: dict[str, Any]) -> GenerationConfig:
+    base = kwargs.get("generation_config") or model.generation_config
+    cfg = copy.deepcopy(base)
+    cfg.update(**{k: v for k, v in kwargs.items() if hasattr(cfg, k)})
+    return cfg
+
+
+def _eos_ids(cfg: GenerationConfig) -> list[int]:
+    eos = cfg.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _attention_mask(ids: torch.Tensor, cfg: GenerationConfig, given: torch.Tensor | None) -> torch.Tensor:
+    """The mask ``generate`` would use: the given one, else inferred from pad tokens as Transformers does."""
+    if given is not None:
+        return given
+    pad, eos = cfg.pad_token_id, _eos_ids(cfg)
+    if pad is not None and bool((ids == pad).any()) and pad not in eos:
+        return ids.ne(pad).long()
+    return torch.ones_like(ids)
+
+
+def _position_ids(mask: torch.Tensor) -> torch.Tensor:
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 0)
+
+
+def _prefill_shared(model: nn.Module, cache: PagedCache, ids: torch.Tensor, mask: torch.Tensor, start: int) -> None:
+    """Compute K/V of ``ids[:, start:-1]`` into the cache once (before the rows are forked)."""
+    end = ids.shape[1] - 1
+    if end <= start:
+        return
+    with torch.no_grad():
+        model(
+            input_ids=ids[:, start:end],
+            attention_mask=mask[:, :end],
+            position_ids=_position_ids(mask[:, :end])[:, start:end],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+
+
+def run_paged(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[[], Any]) -> Any:
+    """Run one ``generate`` call (``call``: a :class:`~hf_accel.generate.GenerateCall`) on ``cache``.
+
+    Raises:
+        IncompatibleOptionsError: the cache was built for another model, or the call uses ``inputs_embeds``.
+    """
+    if cache._model_id != id(model):
+        raise IncompatibleOptionsError(
+            "this PagedCache was built for another model; build one per model: hf_accel.PagedCache(model)"
+        )
+    ids = call.input_ids()
+    if ids is None or "inputs_embeds" in call.kwargs:
+        raise IncompatibleOptionsError("generate with a PagedCache needs input_ids (inputs_embeds are not supported)")
+    cfg = _generation_config(model, call.kwargs)
+    mask = _attention_mask(ids, cfg, call.kwargs.get("attention_mask"))
+    call.kwargs["attention_mask"] = mask
+    beams = (cfg.num_beams or 1) > 1
+    expand = (cfg.num_beams or 1) if beams else (cfg.num_return_sequences or 1)
+    start = cache.start(ids, mask)
+    if expand > 1:
+        _prefill_shared(model, cache, ids, mask, start)
+        cache.batch_repeat_interleave(expand)
+    pads = (mask.shape[1] - mask.sum(1)).repeat_interleave(expand).tolist()
+    tracker = PagedRowTracker(cache, ids.shape[1], pads, _eos_ids(cfg), release=not beams)
+    processors = call.kwargs.get("logits_processor") or LogitsProcessorList()
+    call.kwargs["logits_processor"] = LogitsProcessorList([*processors, tracker])
+    out = proceed()
+    if cache.prefix_cache and not beams:
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        new = sequences.shape[1] - mask.shape[1]
+        full = torch.cat([mask.repeat_interleave(expand, 0), mask.new_ones(mask.shape[0] * expand, new)], 1)
+        cache.publish(sequences, full.to(sequences.device))
+    return out

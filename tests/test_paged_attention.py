@@ -1,0 +1,97 @@
+"""Tier (b): the native paged-attention kernel against the dense reference, over scattered block tables."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+
+from hf_accel.paged.attention import dense_attention, kernel_status, native_kernel
+
+needs_kernel = pytest.mark.skipif(native_kernel() is None, reason=f"native paged attention: {kernel_status()}")
+
+
+def _scattered_pool(lengths: list[int], block_size: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
+    """A pool holding each sequence's K/V in shuffled blocks, plus the contiguous K/V it represents."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    total = sum(blocks_per_seq) + 3  # a few blocks nobody owns: their garbage must never be read
+    order = torch.randperm(total, generator=gen).tolist()
+    k_pool = torch.randn(total, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(total, block_size, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
+    contiguous = []
+    for row, n in enumerate(lengths):
+        mine = [order.pop() for _ in range(blocks_per_seq[row])]
+        tables[row, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        k = k_pool[mine].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)  # [H_kv, n, D]
+        v = v_pool[mine].reshape(-1, kv_heads, dim)[:n].transpose(0, 1)
+        contiguous.append((k, v))
+    return k_pool, v_pool, tables, contiguous
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("lengths", "q_len", "window", "softcap"),
+    [
+        ([1, 16, 17, 70], 1, 0, 0.0),  # decode: shorter than, exactly, just past and many blocks
+        ([5, 33, 100], 4, 0, 0.0),  # speculative verification: several queries per row
+        ([40, 90], 3, 8, 0.0),  # sliding window crossing block edges
+        ([20, 64], 1, 0, 30.0),  # Gemma-2 style logit softcapping
+    ],
+)
+def test_kernel_matches_dense_reference_fp32(lengths, q_len, window, softcap):
+    heads, kv_heads, dim, bs = 6, 2, 24, 16
+    k_pool, v_pool, tables, dense = _scattered_pool(lengths, bs, kv_heads, dim, torch.float32, seed=len(lengths))
+    q = torch.randn(len(lengths), heads, q_len, dim, generator=torch.Generator().manual_seed(7))
+    q_pos = torch.tensor([[n - q_len + j for j in range(q_len)] for n in lengths], dtype=torch.int32)
+    scale = 1 / math.sqrt(dim)
+    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, scale, window, softcap)  # [B, Q, H, D]
+    for row, (k, v) in enumerate(dense):
+        expected = dense_attention(q[row], k, v, q_pos[row].tolist(), scale, window, softcap)  # [H, Q, D]
+        # fp32, online softmax vs SDPA: only summation order differs
+        assert_close(got[row].transpose(0, 1), expected, atol=2e-6, rtol=1e-5, name=f"row {row}")
+
+
+@needs_kernel
+def test_kernel_padding_queries_get_zeros_and_strided_queries_work():
+    k_pool, v_pool, tables, dense = _scattered_pool([9, 30], 16, 1, 8, torch.float32, seed=3)
+    q = torch.randn(2, 3, 2, 8).permute(0, 2, 1, 3)  # [2, H=2, Q=3, D=8], non-contiguous
+    q_pos = torch.tensor([[-1, 7, 8], [27, 28, 29]], dtype=torch.int32)  # row 0 has a padding query first
+    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, 0.5, 0, 0.0)
+    assert torch.equal(got[0, 0], torch.zeros(2, 8))  # a padding query attends to nothing
+    expected = dense_attention(q[0][:, 1:], *dense[0], [7, 8], 0.5)
+    assert_close(got[0, 1:].transpose(0, 1), expected, atol=2e-6, rtol=1e-5, name="strided q")  # fp32
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_half_precision_pools(dtype):
+    k_pool, v_pool, tables, dense = _scattered_pool([25, 48], 16, 2, 16, dtype, seed=5)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q_pos = torch.tensor([[24], [47]], dtype=torch.int32)
+    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, 0.25, 0, 0.0)
+    for row, (k, v) in enumerate(dense):
+        expected = dense_attention(q[row].float(), k.float(), v.float(), q_pos[row].tolist(), 0.25)
+        # the kernel accumulates in fp32 and rounds once to the pool dtype: one rounding of that dtype
+        eps = torch.finfo(dtype).eps
+        assert_close(got[row].transpose(0, 1).float(), expected, atol=2 * eps, rtol=2 * eps, name=str(dtype))
+
+
+def test_dense_reference_matches_explicit_softmax():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(4, 3, 8, generator=gen),
+        torch.randn(2, 10, 8, generator=gen),
+        torch.randn(2, 10, 8, generator=gen),
+    )
+    positions = [5, 6, 9]
+    got = dense_attention(q, k, v, positions, 0.3, window=4)
+    kk, vv = k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)
+    scores = (q @ kk.transpose(-1, -2)) * 0.3  # [4, 3, 10]
+    t = torch.arange(10)
+    for i, p in enumerate(positions):
+        scores[:, i, (t > p) | (t <= p - 4)] = float("-inf")
+    assert_close(got, scores.softmax(-1) @ vv, atol=1e-6, rtol=1e-5, name="reference")  # fp32
