@@ -49,6 +49,21 @@ def test_sliding_window_and_softcap_layers(arch, attention):
     assert torch.equal(got, expected)
 
 
+def test_geometries_the_kernel_does_not_take_fall_back_to_gather():
+    # head_dim 12 (not a multiple of 8) and blocks of 80 tokens (> 64): 'auto' gathers, 'kernel' refuses
+    plain, patched = _pair("llama", head_dim=12)
+    ids, mask = random_batch(2, [5, 90], seed=2)
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    for cache in (PagedCache(patched), PagedCache(patched, block_size=80)):
+        assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, cache=cache, **kwargs), expected)
+    if paged_attention.native_kernel() is not None:
+        with pytest.raises(IncompatibleOptionsError, match="head_dim a multiple of 8"):
+            patched.generate(
+                input_ids=ids, attention_mask=mask, cache=PagedCache(patched, attention="kernel"), **kwargs
+            )
+
+
 def test_decode_reads_the_pool_without_gathering(monkeypatch):
     if paged_attention.native_kernel() is None:
         pytest.skip(paged_attention.kernel_status())

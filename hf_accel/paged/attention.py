@@ -37,6 +37,8 @@ __all__ = ["DECODE_MAX_QUERY", "PagedMask", "dense_attention", "kernel_status", 
 
 #: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
 DECODE_MAX_QUERY = 16
+#: The native kernel handles blocks of up to this many tokens; larger blocks use the gather path.
+KERNEL_MAX_BLOCK_SIZE = 64
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -156,10 +158,17 @@ def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
     mode = layer.cache.attention
     if mode == "gather" or query.shape[2] > DECODE_MAX_QUERY:
         return False
-    usable = query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES and native_kernel() is not None
+    usable = (
+        query.device.type == "cpu"
+        and query.dtype in _KERNEL_DTYPES
+        and layer.keys.shape[1] <= KERNEL_MAX_BLOCK_SIZE
+        and query.shape[-1] % 8 == 0
+        and native_kernel() is not None
+    )
     if mode == "kernel" and not usable:
         raise IncompatibleOptionsError(
-            f"PagedCache(attention='kernel') needs a CPU tensor of {_KERNEL_DTYPES} and the native kernel "
+            f"PagedCache(attention='kernel') needs a CPU tensor of {_KERNEL_DTYPES}, block_size <= "
+            f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel "
             f"({kernel_status()}); got {query.dtype} on {query.device}; use attention='auto'"
         )
     return usable

@@ -1,17 +1,25 @@
 // Paged attention for short query chunks (decode, speculative verification) on CPU, AVX2 + FMA.
+//
 // Reads K/V straight from the block pool through each sequence's block table: no contiguous copy of the
-// context is ever built. One work item = one (sequence, kv head); it serves every query head of that
-// group and every query of the chunk, so each K/V vector is loaded once. Softmax is computed online
-// block by block (running max and sum), in float32 whatever the pool dtype.
+// context is ever built. A work item is (sequence, kv head, context split): it serves every query head of
+// that kv group and every query of the chunk, so each K/V vector is loaded once per item. Long contexts
+// are split so that even batch 1 keeps every thread busy (flash-decoding); each split keeps a running
+// max / sum / weighted V (online softmax, float32 whatever the pool dtype), and the splits are merged at
+// the end. Exponentials are vectorised; the next block's rows are prefetched while this one is used.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMinBlocksPerSplit = 4;  // below this a split costs more to merge than it saves
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -22,10 +30,14 @@ inline float hsum(__m256 v) {
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -44,6 +56,44 @@ inline void scale_inplace(float* y, float a, int64_t n) {
   for (; i < n; ++i) y[i] *= a;
 }
 
+// exp(x) for 8 floats, x <= 0 here (scores minus their running max); -inf gives exactly 0.
+// Range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial: ~1 ulp over the range.
+inline __m256 exp8(__m256 x) {
+  const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// p[0..n) = exp(s[i] - m); returns their sum. `s` has room for a multiple of 8 (tail padded with -inf).
+inline float exp_sum(const float* s, float m, float* p, int64_t n) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(p + i, v);
+    sum = _mm256_add_ps(sum, v);
+  }
+  return hsum(sum);
+}
+
+inline void prefetch_rows(const void* base, int64_t rows, int64_t row_stride_bytes, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + t * row_stride_bytes + b, _MM_HINT_T0);
+}
+
 // A row of the pool as float32: float rows are used in place, other dtypes are converted into `buf`.
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
@@ -53,15 +103,135 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
 
+struct Geometry {
+  int64_t B, Hq, Q, D, BS, Hkv, MB, G, R, splits;
+};
+
+// Scores of RB query rows (scaled, [RB][D]) against one key row: out[k * ld] = q_k . key.
+template <int RB>
+inline void scores_rb(const float* q, const float* key, int64_t D, float* out, int64_t ld) {
+  __m256 acc[RB];
+  for (int k = 0; k < RB; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(key + d);
+    for (int k = 0; k < RB; ++k) acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(q + k * D + d), kv, acc[k]);
+  }
+  for (int k = 0; k < RB; ++k) out[k * ld] = hsum(acc[k]);
+}
+
+// acc[k][:] += sum_t p[k * ld + t] * v_t for RB rows, holding each 8-wide slice of acc in registers.
+template <int RB>
+inline void accumulate_rb(float* acc, const float* p, int64_t ld, const float* const* vrows, int64_t nt, int64_t D) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 a[RB];
+    for (int k = 0; k < RB; ++k) a[k] = _mm256_loadu_ps(acc + k * D + d);
+    for (int64_t t = 0; t < nt; ++t) {
+      const __m256 v = _mm256_loadu_ps(vrows[t] + d);
+      for (int k = 0; k < RB; ++k) a[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + k * ld + t), v, a[k]);
+    }
+    for (int k = 0; k < RB; ++k) _mm256_storeu_ps(acc + k * D + d, a[k]);
+  }
+}
+
+template <typename F>
+inline void by_row_blocks(int64_t R, F&& f) {  // calls f(r0, rb) with rb in 1..4 covering 0..R
+  for (int64_t r0 = 0; r0 < R; r0 += 4) f(r0, std::min<int64_t>(4, R - r0));
+}
+
+// One work item: rows r = g * Q + j of kv head `kvh` of sequence `b`, over blocks [blk0, blk1).
+// Leaves unnormalised acc [R, D], running max m [R] and sum l [R].
+template <typename T>
+void attend_split(const Geometry& g, const float* qbuf, const int32_t* rpos, const T* kp, const T* vp,
+                  const int32_t* table, int64_t kvh, int64_t blk0, int64_t blk1, int64_t ntok, int64_t window,
+                  float cap, float* acc, float* m, float* l) {
+  const int64_t R = g.R, D = g.D, BS = g.BS, Hkv = g.Hkv;
+  const int64_t ld = (BS + 7) / 8 * 8;  // row stride of the score / weight buffers (tail padded)
+  std::vector<float> s(R * ld), p(R * ld), kbuf(BS * D), vbuf(BS * D);
+  std::vector<const float*> krows(BS), vrows(BS);
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+  const int64_t row_stride = Hkv * D;  // elements between consecutive tokens of one head
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
+    const int64_t block = table[blk], t0 = blk * BS, nt = std::min(BS, ntok - t0);
+    const T* kblock = kp + (block * BS * Hkv + kvh) * D;
+    const T* vblock = vp + (block * BS * Hkv + kvh) * D;
+    if (blk + 1 < blk1) {
+      const int64_t next = table[blk + 1];
+      prefetch_rows(kp + (next * BS * Hkv + kvh) * D, BS, row_stride * sizeof(T), D * sizeof(T));
+      prefetch_rows(vp + (next * BS * Hkv + kvh) * D, BS, row_stride * sizeof(T), D * sizeof(T));
+    }
+    for (int64_t t = 0; t < nt; ++t) {
+      krows[t] = as_float(kblock + t * row_stride, kbuf.data() + t * D, D);
+      vrows[t] = as_float(vblock + t * row_stride, vbuf.data() + t * D, D);
+    }
+    std::fill(s.begin(), s.end(), kNegInf);
+    for (int64_t t = 0; t < nt; ++t) {  // scores of every row against this block's tokens
+      by_row_blocks(R, [&](int64_t r0, int64_t rb) {
+        float* out = s.data() + r0 * ld + t;
+        const float* q = qbuf + r0 * D;
+        switch (rb) {
+          case 4: scores_rb<4>(q, krows[t], D, out, ld); break;
+          case 3: scores_rb<3>(q, krows[t], D, out, ld); break;
+          case 2: scores_rb<2>(q, krows[t], D, out, ld); break;
+          default: scores_rb<1>(q, krows[t], D, out, ld); break;
+        }
+      });
+    }
+    for (int64_t r = 0; r < R; ++r) {  // masking, softcap, online softmax update
+      float* sr = s.data() + r * ld;
+      float* pr = p.data() + r * ld;
+      float bm = kNegInf;
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t tok = t0 + t;
+        if (tok > rpos[r] || (window > 0 && tok <= rpos[r] - window)) {
+          sr[t] = kNegInf;
+          continue;
+        }
+        if (cap > 0.f) sr[t] = cap * std::tanh(sr[t] / cap);
+        bm = std::max(bm, sr[t]);
+      }
+      if (bm == kNegInf) {  // nothing visible for this row in this block
+        std::fill(pr, pr + ld, 0.f);
+        continue;
+      }
+      const float mn = std::max(m[r], bm);
+      const float alpha = std::exp(m[r] - mn);  // 0 on the first visible block (exp(-inf))
+      if (alpha != 1.f) {
+        scale_inplace(acc + r * D, alpha, D);
+        l[r] *= alpha;
+      }
+      m[r] = mn;
+      l[r] += exp_sum(sr, mn, pr, ld);
+    }
+    by_row_blocks(R, [&](int64_t r0, int64_t rb) {
+      float* a = acc + r0 * D;
+      const float* pr = p.data() + r0 * ld;
+      switch (rb) {
+        case 4: accumulate_rb<4>(a, pr, ld, vrows.data(), nt, D); break;
+        case 3: accumulate_rb<3>(a, pr, ld, vrows.data(), nt, D); break;
+        case 2: accumulate_rb<2>(a, pr, ld, vrows.data(), nt, D); break;
+        default: accumulate_rb<1>(a, pr, ld, vrows.data(), nt, D); break;
+      }
+    });
+  }
+}
+
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& block_tables, const torch::Tensor& q_pos, double scale, int64_t window,
          double softcap, torch::Tensor& out) {
   // q: [B, Hq, Q, D] (any strides); pools: [NB, BS, Hkv, D] contiguous; block_tables: [B, MB] int32;
   // q_pos: [B, Q] int32 (token index of each query in its sequence, -1 = padding); out: [B, Q, Hq, D].
-  const int64_t B = q.size(0), Hq = q.size(1), Q = q.size(2), D = q.size(3);
-  const int64_t BS = k_pool.size(1), Hkv = k_pool.size(2), MB = block_tables.size(1);
-  const int64_t G = Hq / Hkv, R = G * Q;
+  Geometry g;
+  g.B = q.size(0), g.Hq = q.size(1), g.Q = q.size(2), g.D = q.size(3);
+  g.BS = k_pool.size(1), g.Hkv = k_pool.size(2), g.MB = block_tables.size(1);
+  g.G = g.Hq / g.Hkv, g.R = g.G * g.Q;
+  // enough items for every thread even at batch 1, but never splits shorter than kMinBlocksPerSplit blocks
+  const int64_t want = 8 * at::get_num_threads();
+  const int64_t by_threads = (want + g.B * g.Hkv - 1) / (g.B * g.Hkv);
+  g.splits = std::max<int64_t>(1, std::min(by_threads, g.MB / kMinBlocksPerSplit));
+  const int64_t R = g.R, D = g.D;
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
@@ -70,69 +240,58 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const int32_t* pos = q_pos.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t groups = g.B * g.Hkv, items = groups * g.splits;
+  // per item: acc [R, D], m [R], l [R]
+  std::vector<float> parts(items * R * (D + 2));
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf(R * D), acc(R * D), m(R), l(R), s(R * BS), kbuf(D), vbuf(BS * D);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf(R * D);
     std::vector<int32_t> rpos(R);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, kvh = item % Hkv;
+      const int64_t grp = item / g.splits, split = item % g.splits;
+      const int64_t b = grp / g.Hkv, kvh = grp % g.Hkv;
       int32_t last = -1;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < Q; ++j) {
-          const int64_t r = g * Q + j, h = kvh * G + g;
+      for (int64_t gi = 0; gi < g.G; ++gi)
+        for (int64_t j = 0; j < g.Q; ++j) {
+          const int64_t r = gi * g.Q + j, h = kvh * g.G + gi;
           const T* src = qp + b * qs0 + h * qs1 + j * qs2;
           for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = static_cast<float>(src[d * qs3]) * fscale;
-          rpos[r] = pos[b * Q + j];
+          rpos[r] = pos[b * g.Q + j];
           last = std::max(last, rpos[r]);
         }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), neg_inf);
-      std::fill(l.begin(), l.end(), 0.f);
-      const int64_t ntok = static_cast<int64_t>(last) + 1;
-      for (int64_t blk = 0; blk * BS < ntok; ++blk) {
-        const int64_t block = tables[b * MB + blk], t0 = blk * BS, nt = std::min(BS, ntok - t0);
-        // scores of every row against the block's tokens
-        for (int64_t t = 0; t < nt; ++t) {
-          const float* kv = as_float(kp + ((block * BS + t) * Hkv + kvh) * D, kbuf.data(), D);
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t tok = t0 + t;
-            const bool visible = tok <= rpos[r] && (window <= 0 || tok > rpos[r] - window);
-            float sc = visible ? dot(qbuf.data() + r * D, kv, D) : neg_inf;
-            if (visible && cap > 0.f) sc = cap * std::tanh(sc / cap);
-            s[r * BS + t] = sc;
+      const int64_t ntok = static_cast<int64_t>(last) + 1, nblocks = (ntok + g.BS - 1) / g.BS;
+      const int64_t blk0 = nblocks * split / g.splits, blk1 = nblocks * (split + 1) / g.splits;
+      float* base = parts.data() + item * R * (D + 2);
+      attend_split<T>(g, qbuf.data(), rpos.data(), kp, vp, tables + b * g.MB, kvh, blk0, blk1, ntok, window, cap,
+                      base, base + R * D, base + R * D + R);
+    }
+  });
+
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {  // merge the splits of each group
+    std::vector<float> acc(D);
+    for (int64_t grp = begin; grp < end; ++grp) {
+      const int64_t b = grp / g.Hkv, kvh = grp % g.Hkv;
+      for (int64_t r = 0; r < R; ++r) {
+        float mx = kNegInf;
+        for (int64_t sp = 0; sp < g.splits; ++sp)
+          mx = std::max(mx, parts[((grp * g.splits + sp) * R) * (D + 2) + R * D + r]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        if (mx != kNegInf) {
+          for (int64_t sp = 0; sp < g.splits; ++sp) {
+            const float* base = parts.data() + (grp * g.splits + sp) * R * (D + 2);
+            const float ms = base[R * D + r];
+            if (ms == kNegInf) continue;
+            const float w = std::exp(ms - mx);
+            total += w * base[R * D + R + r];
+            axpy(acc.data(), w, base + r * D, D);
           }
         }
-        for (int64_t t = 0; t < nt; ++t) as_float(vp + ((block * BS + t) * Hkv + kvh) * D, vbuf.data() + t * D, D);
-        for (int64_t r = 0; r < R; ++r) {
-          float bm = neg_inf;
-          for (int64_t t = 0; t < nt; ++t) bm = std::max(bm, s[r * BS + t]);
-          if (bm == neg_inf) continue;
-          const float mn = std::max(m[r], bm);
-          const float alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first visible block
-          if (alpha != 1.f) {
-            scale_inplace(acc.data() + r * D, alpha, D);
-            l[r] *= alpha;
-          }
-          m[r] = mn;
-          for (int64_t t = 0; t < nt; ++t) {
-            const float sc = s[r * BS + t];
-            if (sc == neg_inf) continue;
-            const float p = std::exp(sc - mn);
-            l[r] += p;
-            const T* vrow = vp + ((block * BS + t) * Hkv + kvh) * D;
-            const float* vf = std::is_same<T, float>::value ? reinterpret_cast<const float*>(vrow) : vbuf.data() + t * D;
-            axpy(acc.data() + r * D, p, vf, D);
-          }
-        }
+        const int64_t gi = r / g.Q, j = r % g.Q, h = kvh * g.G + gi;
+        T* dst = op + ((b * g.Q + j) * g.Hq + h) * D;
+        const float inv = total > 0.f ? 1.f / total : 0.f;  // a padding query (no visible token) gets zeros
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < Q; ++j) {
-          const int64_t r = g * Q + j, h = kvh * G + g;
-          T* dst = op + ((b * Q + j) * Hq + h) * D;
-          const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a padding query (no visible token) gets zeros
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] * inv);
-        }
     }
   });
 }
@@ -146,6 +305,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "dtype mismatch");
   TORCH_CHECK(q.size(3) == k_pool.size(3) && q.size(1) % k_pool.size(2) == 0, "head mismatch");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && q_pos.scalar_type() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(k_pool.size(1) <= 64, "block_size above 64 is not supported by the native kernel");
+  TORCH_CHECK(q.size(3) % 8 == 0, "head_dim must be a multiple of 8 for the native kernel");
+  TORCH_CHECK(q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(2), "q_pos must be [B, Q]");
   auto tables = block_tables.contiguous();
   auto pos = q_pos.contiguous();
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
