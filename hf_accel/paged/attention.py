@@ -252,10 +252,10 @@ def dense_attention(
     if window > 0:
         visible &= t > pos - window
     causal_tail = positions == list(range(k.shape[1] - len(positions), k.shape[1]))
-    if softcap <= 0:
+    if softcap <= 0:  # 4D inputs: the 3D form misses SDPA's fused CPU kernels and takes the math path
         if causal_tail and window <= 0 and len(positions) == k.shape[1]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale)[0]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, r, S]
     scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
