@@ -194,14 +194,18 @@ def bench_decode(model, tok, new: int, repeats: int) -> None:
     for batch in (1, 8):
         inputs = chat(tok, questions[:batch])
         run_decode(model, inputs, 4)  # warm-up
-        base = [run_decode(model, inputs, new) for _ in range(repeats)]
-        hf_accel.patch_model(model, fused_mlp=False)  # the paged cache alone
-        try:
-            cache = PagedCache(model, max_memory=256 << 20, prefix_cache=False)
-            run_decode(model, inputs, 4, cache=cache)
-            paged = [run_decode(model, inputs, new, cache=cache) for _ in range(repeats)]
-        finally:
-            hf_accel.unpatch_model(model)
+        cache = None
+        base, paged = [], []
+        for _ in range(repeats):  # interleaved, so drift of the machine hits both alike
+            base.append(run_decode(model, inputs, new))  # unpatched model, default cache
+            hf_accel.patch_model(model, fused_mlp=False)  # the paged cache alone
+            try:
+                if cache is None:
+                    cache = PagedCache(model, max_memory=256 << 20, prefix_cache=False)
+                    run_decode(model, inputs, 4, cache=cache)
+                paged.append(run_decode(model, inputs, new, cache=cache))
+            finally:
+                hf_accel.unpatch_model(model)
         r_base = statistics.median(r for r, _, _ in base)
         r_paged = statistics.median(r for r, _, _ in paged)
         same = torch.equal(base[0][2], paged[0][2])
@@ -240,7 +244,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-prompt", type=int, default=1500, help="longest prompt of the memory test (a)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per request in (c)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--only", nargs="+", choices=["a", "b", "c", "d"], default=["a", "b", "c", "d"])
     args = parser.parse_args()
