@@ -16,7 +16,6 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_accel
 
@@ -43,16 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load(name: str):
-    if name == "default":
-        return hf_accel.load_default()
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), tokenizer
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model, tokenizer = load(args.model)
+    model, tokenizer = hf_accel.load_model(args.model)
     hf_accel.patch_model(model, paged=True)
     cache = hf_accel.PagedCache(
         model, block_size=args.block_size, max_memory=args.max_memory_mb << 20, prefix_cache=True

@@ -14,7 +14,7 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers import TextStreamer
 
 import hf_accel
 
@@ -29,16 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load(name: str):
-    if name == "default":
-        return hf_accel.load_default()
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), tokenizer
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model, tokenizer = load(args.model)
+    model, tokenizer = hf_accel.load_model(args.model)
     if not args.no_patch:
         hf_accel.patch_model(model)
         print("hf_accel features:", ", ".join(hf_accel.patch_report(model)["features"]) or "none")

@@ -15,11 +15,12 @@ from .errors import (
     FeatureNotAvailableError,
     HFAccelError,
     IncompatibleOptionsError,
+    ModelNotFoundError,
     NotPatchedError,
     UnsupportedModelError,
 )
 from .fused import FusedGatedMLP
-from .models import load_default
+from .models import load_default, load_model
 from .paged.cache import PagedCache
 from .patch import is_patched, patch_model, patch_report, unpatch_model
 from .registry import supported_model_types
@@ -38,6 +39,7 @@ __all__ = [
     "HFAccelError",
     "IncompatibleOptionsError",
     "Int8Config",
+    "ModelNotFoundError",
     "NotPatchedError",
     "PagedCache",
     "PagedConfig",
@@ -46,6 +48,7 @@ __all__ = [
     "__version__",
     "is_patched",
     "load_default",
+    "load_model",
     "patch_model",
     "patch_report",
     "supported_model_types",

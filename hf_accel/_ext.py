@@ -21,6 +21,7 @@ __all__ = ["extension_status", "load_extension"]
 
 logger = logging.getLogger(__name__)
 
+_INCLUDE = Path(__file__).with_name("csrc")  # headers shared by the kernels
 _modules: dict[str, ModuleType | None] = {}
 _status: dict[str, str] = {}
 
@@ -33,7 +34,10 @@ def _cpu_has_avx2() -> bool:
 def _build(name: str, source: Path) -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:12]
+    sha = hashlib.sha1(source.read_bytes())
+    for header in sorted(_INCLUDE.glob("*.h")):  # a changed shared header rebuilds every kernel
+        sha.update(header.read_bytes())
+    digest = sha.hexdigest()[:12]
     build_dir = cache_dir() / "ext" / f"{name}-{digest}-torch{torch.__version__.split('+')[0]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("hf_accel: building the %s kernel in %s (once)", name, build_dir)
@@ -42,6 +46,7 @@ def _build(name: str, source: Path) -> ModuleType:
         sources=[str(source)],
         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_INCLUDE)],
         build_directory=str(build_dir),
         verbose=os.environ.get("HF_ACCEL_VERBOSE_BUILD") == "1",
     )

@@ -60,6 +60,10 @@ class DefaultModelNotInstalledError(HFAccelError, ImportError):
     """The package that ships the default model's weights is not installed."""
 
 
+class ModelNotFoundError(HFAccelError, FileNotFoundError):
+    """A model path that is not a local Transformers checkpoint folder (nothing is ever downloaded)."""
+
+
 class CacheFullError(HFAccelError, RuntimeError):
     """The KV block pool cannot hold what was asked of it.
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import DefaultModelNotInstalledError
+from .errors import DefaultModelNotInstalledError, ModelNotFoundError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "find_default_gguf", "load_default"]
+__all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "find_default_gguf", "load_default", "load_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,54 @@ def load_default(
         _convert(find_default_gguf(), target)
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_model(
+    name: str | os.PathLike[str] = "default",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from a local checkpoint folder, or the default model for ``"default"``.
+
+    Args:
+        name: ``"default"`` (SmolLM2-135M-Instruct, see :func:`load_default`) or a local folder holding a
+            Transformers causal LM and its tokenizer. Nothing is downloaded.
+        dtype: parameter dtype.
+        device: device to move the model to (default: CPU).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode.
+
+    Raises:
+        ModelNotFoundError: ``name`` is not a folder with a ``config.json``.
+        UnsupportedModelError: the folder holds a model that is not a causal LM.
+    """
+    if str(name) == "default":
+        return load_default(dtype, device)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{str(name)!r} is not a local model folder (no config.json there); pass a folder saved with "
+            "save_pretrained, or 'default' for SmolLM2-135M-Instruct. hf_accel never downloads from the Hub"
+        )
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        from .registry import supported_model_types
+
+        raise UnsupportedModelError(
+            config.model_type,
+            supported_model_types(),
+            reason=f"{str(name)!r} holds a {config.model_type!r} model, not a causal LM",
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     if device is not None:
         model = model.to(device)
     model.eval()

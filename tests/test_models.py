@@ -101,3 +101,26 @@ def test_cli_user_errors(capsys):
     assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
     assert main(["archs"]) == 0
     assert capsys.readouterr().out.split() == hf_accel.supported_model_types()
+
+
+def test_load_model_from_a_local_folder_and_its_errors(tmp_path):
+    from helpers import tiny_model
+    from tokenizers import Tokenizer, models
+    from transformers import DistilBertConfig, DistilBertModel, PreTrainedTokenizerFast
+
+    folder = tmp_path / "tiny"
+    original = tiny_model("qwen2")
+    original.save_pretrained(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    tok.save_pretrained(folder)
+    model, _ = hf_accel.load_model(folder)
+    assert model.config.model_type == "qwen2" and not model.training
+    assert torch.equal(model.lm_head.weight, original.lm_head.weight)
+    with pytest.raises(hf_accel.ModelNotFoundError) as info:
+        hf_accel.load_model(tmp_path / "missing")
+    assert "is not a local model folder (no config.json there)" in str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    encoder = DistilBertModel(DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64))
+    encoder.save_pretrained(tmp_path / "encoder")
+    with pytest.raises(hf_accel.UnsupportedModelError, match="holds a 'distilbert' model, not a causal LM"):
+        hf_accel.load_model(tmp_path / "encoder")

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -21,13 +23,7 @@ namespace {
 constexpr int64_t kMinBlocksPerSplit = 4;  // below this a split costs more to merge than it saves
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
+using hf_accel::hsum;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();

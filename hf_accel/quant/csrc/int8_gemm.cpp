@@ -5,18 +5,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_common.h"
+
 namespace {
 
 constexpr int64_t kRows = 4;        // output rows per tile
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in each weight row
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
+using hf_accel::hsum;
 
 inline __m256 load_w8(const int8_t* p) {  // 8 int8 -> 8 float
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
