@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .errors import FeatureNotAvailableError
+from .errors import FeatureNotAvailableError, IncompatibleOptionsError
 
 if TYPE_CHECKING:
     from .patch import PatchState
@@ -41,11 +41,13 @@ class GenerateCall:
         args / kwargs: what goes to the original ``generate`` (plugin kwargs already taken out).
         around: wrappers ``wrap(proceed) -> output``; each must call ``proceed()`` once. The first one added
             is the outermost.
+        notes: scratch space where a feature's keyword handlers leave values for its call hook.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     around: list[Callable[[Callable[[], Any]], Any]] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
 
     def input_ids(self) -> Any:
         """The prompt tensor, wherever the caller put it (first positional, ``input_ids=`` or ``inputs=``)."""
@@ -88,6 +90,13 @@ def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, 
         handler = state.generate_kwargs.get(name)
         if handler is None:
             feature = PLUGIN_KWARGS[name]
+            from .patch import FEATURES
+
+            if FEATURES[feature].apply is not None:  # implemented, but switched off for this model
+                raise IncompatibleOptionsError(
+                    f"generate({name}=...) needs hf_accel's {feature!r} feature, which is off for this model; "
+                    f"patch it with hf_accel.patch_model(model, {feature}=True)"
+                )
             raise FeatureNotAvailableError(
                 f"generate({name}=...) needs hf_accel's {feature!r} feature, which this version does not provide"
             )

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .config import AccelConfig, FusedMLPConfig, PagedConfig
+from .config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
 from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .fused.apply import apply_fused_mlp
 from .generate import GenerateCall, GenerateKwarg, bind_generate
@@ -23,6 +23,7 @@ from .paged.apply import apply_paged, bind_paged
 from .quant.apply import apply_int8
 from .recorder import Recorder
 from .registry import ModelParts, resolve
+from .speculative.apply import apply_speculative, bind_speculative
 
 __all__ = ["PatchState", "is_patched", "patch_model", "patch_report", "unpatch_model"]
 
@@ -45,14 +46,14 @@ FEATURES: dict[str, _Feature] = {
     "int8": _Feature(apply_int8, lossless=False),
     "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
     "paged": _Feature(apply_paged, lossless=True, bind=bind_paged),
-    "speculative": _Feature(None, lossless=True),
+    "speculative": _Feature(apply_speculative, lossless=True, bind=bind_speculative),
     "compile": _Feature(None, lossless=True),
 }
 
 
 def default_config() -> AccelConfig:
     """The config ``patch_model(model)`` uses: every implemented lossless feature, with its defaults."""
-    return AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig())
+    return AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
 
 
 @dataclass

@@ -6,7 +6,7 @@ from helpers import random_batch, tiny_model
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
-from hf_accel import FeatureNotAvailableError
+from hf_accel import IncompatibleOptionsError
 from hf_accel.generate import GenerateKwarg
 
 
@@ -85,13 +85,14 @@ def test_typo_gets_transformers_own_error(pair):
     assert "max_new_tokenz" in str(patched_err.value)
 
 
-def test_plugin_kwarg_of_a_missing_feature_is_a_clear_error(pair):
-    _, patched = pair
+def test_plugin_kwarg_of_a_feature_switched_off_is_a_clear_error():
+    patched = hf_accel.patch_model(tiny_model("llama"), speculative=False)
     ids, _ = random_batch(1, [4])
-    with pytest.raises(FeatureNotAvailableError) as info:
+    with pytest.raises(IncompatibleOptionsError) as info:
         patched.generate(input_ids=ids, max_new_tokens=2, prompt_lookup=True)
     assert str(info.value) == (
-        "generate(prompt_lookup=...) needs hf_accel's 'speculative' feature, which this version does not provide"
+        "generate(prompt_lookup=...) needs hf_accel's 'speculative' feature, which is off for this model; "
+        "patch it with hf_accel.patch_model(model, speculative=True)"
     )
 
 
@@ -111,7 +112,14 @@ def test_plugin_kwargs_are_translated_and_the_rest_passes_through(pair):
     assert seen["value"] == 5
     assert seen["kwargs"]["max_new_tokens"] == 2 and "demo_tokens" not in seen["kwargs"]
     assert out.shape[1] == 4 + 5
-    assert hf_accel.patch_report(patched)["generate_kwargs"] == ["demo_tokens", "paged"]
+    assert hf_accel.patch_report(patched)["generate_kwargs"] == [
+        "demo_tokens",
+        "draft_model",
+        "num_speculative_tokens",
+        "paged",
+        "prompt_lookup",
+        "speculative",
+    ]
 
 
 def test_pipeline_text_generation_on_a_patched_model(tmp_path):

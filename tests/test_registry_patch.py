@@ -85,6 +85,7 @@ def test_patch_report_counts_changes():
     assert report["features"] == {
         "fused_mlp": {"eager": False},
         "paged": {"block_size": 16, "num_blocks": None, "max_memory": None, "prefix_cache": False, "attention": "auto"},
+        "speculative": {"strategy": "prompt_lookup", "num_tokens": 5, "adaptive": True, "max_ngram": 3},
     }
     assert report["changes"]["paged"] == {"attention sdpa -> hf_accel_paged:sdpa": 1}
     assert report["changes"]["fused_mlp"] == {"gate_proj weight shared": 2, "up_proj weight shared": 2, "MLP fused": 2}
@@ -92,7 +93,7 @@ def test_patch_report_counts_changes():
 
 
 def test_patch_with_no_features_still_wraps_generate():
-    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False, paged=False)
+    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False, paged=False, speculative=False)
     assert hf_accel.patch_report(model)["features"] == {}
     assert model.config._attn_implementation == "sdpa"
     assert "generate" in model.__dict__
@@ -179,10 +180,10 @@ def test_unknown_feature_and_wrong_config_type():
 def test_feature_not_yet_available_is_a_clear_error():
     model = tiny_model("llama")
     with pytest.raises(FeatureNotAvailableError) as info:
-        hf_accel.patch_model(model, speculative=True)
+        hf_accel.patch_model(model, compile=True)
     assert str(info.value) == (
-        "feature 'speculative' is not implemented in this version of hf_accel; "
-        "available features: int8, fused_mlp, paged"
+        "feature 'compile' is not implemented in this version of hf_accel; "
+        "available features: int8, fused_mlp, paged, speculative"
     )
     assert not hf_accel.is_patched(model)
 

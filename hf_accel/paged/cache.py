@@ -396,6 +396,27 @@ class PagedCache(Cache):
         self._length -= n
         self._step = None
 
+    def rollback_rows(self, drop: Sequence[int], logical: int) -> None:
+        """Per-row rollback (speculative decoding with rows that accepted different numbers of drafts).
+
+        Args:
+            drop: real tokens to remove from the end of each row (rows released already are skipped).
+            logical: tokens to remove from the logical, padded length Transformers sees.
+        """
+        if len(drop) != len(self._rows):
+            raise ValueError(f"rollback_rows got {len(drop)} counts for {len(self._rows)} rows")
+        if not 0 <= logical <= self._length:
+            raise ValueError(f"cannot remove {logical} tokens from a cache of {self._length}")
+        for seq, n in zip(self._rows, drop, strict=True):
+            if seq is None or n == 0:
+                continue
+            have = self.manager.num_tokens(seq)
+            if not 0 <= n <= have:
+                raise ValueError(f"cannot remove {n} tokens from a row that holds {have} real tokens")
+            self.manager.truncate(seq, have - n)
+        self._length -= logical
+        self._step = None
+
     def _remap_rows(self, sources: Sequence[int]) -> None:
         new_rows = [None if self._rows[i] is None else self.manager.fork(self._rows[i]) for i in sources]
         for seq in self._rows:

@@ -1,0 +1,17 @@
+"""Speculative generation: strategies, verification rules, the decoding loop and its generate keywords."""
+
+from .draft import DraftModel, SelfSpeculative
+from .strategies import AdaptiveK, PromptLookup, Proposal, Strategy
+from .verify import Verdict, verify_greedy, verify_sampling
+
+__all__ = [
+    "AdaptiveK",
+    "DraftModel",
+    "PromptLookup",
+    "Proposal",
+    "SelfSpeculative",
+    "Strategy",
+    "Verdict",
+    "verify_greedy",
+    "verify_sampling",
+]

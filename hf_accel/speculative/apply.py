@@ -1,0 +1,134 @@
+"""The ``speculative`` feature: ``generate`` keywords that switch a call to speculative decoding.
+
+On a patched model::
+
+    model.generate(ids, speculative=PromptLookup())               # any Strategy instance
+    model.generate(ids, prompt_lookup=True)                         # PromptLookup with the patch's config
+    model.generate(ids, draft_model=small, num_speculative_tokens=4)
+    model.generate(ids, speculative=True)                           # the strategy named by SpeculativeConfig
+
+The call goes to Transformers' ``generate`` with ``custom_generate=`` set to hf_accel's loop, so every other
+argument (generation config, logits processors, stopping criteria, streamers, ``return_dict_in_generate``)
+is prepared by Transformers as usual. Patching changes nothing on the model itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from ..config import SpeculativeConfig
+from ..errors import IncompatibleOptionsError
+from ..generate import GenerateCall, GenerateKwarg
+from ..recorder import Recorder
+from ..registry import ModelParts
+from .loop import SpeculativeStats, make_custom_generate
+from .strategies import PromptLookup, Strategy
+
+if TYPE_CHECKING:
+    from ..patch import PatchState
+
+__all__ = ["apply_speculative", "bind_speculative"]
+
+FEATURE = "speculative"
+_KWARGS = ("speculative", "prompt_lookup", "draft_model", "num_speculative_tokens")
+_TRANSFORMERS_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def apply_speculative(model: nn.Module, parts: ModelParts, cfg: SpeculativeConfig, recorder: Recorder) -> None:
+    del model, parts, cfg  # nothing on the model changes: the feature only adds generate keywords
+    recorder.note(FEATURE, "generate keywords speculative / prompt_lookup / draft_model / num_speculative_tokens")
+
+
+def _strategy_from_config(cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None) -> Strategy:
+    from .draft import DraftModel, SelfSpeculative
+
+    k = num_tokens if num_tokens is not None else cfg.num_tokens
+    if cfg.strategy == "draft":
+        if draft is None:
+            raise IncompatibleOptionsError("SpeculativeConfig(strategy='draft') needs generate(draft_model=...)")
+        return DraftModel(draft, num_tokens=k, adaptive=cfg.adaptive)
+    if cfg.strategy == "self":
+        return SelfSpeculative(num_tokens=k, adaptive=cfg.adaptive)
+    return PromptLookup(num_tokens=k, max_ngram=cfg.max_ngram, adaptive=cfg.adaptive)
+
+
+def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
+    """The strategy one call asks for through the plugin keywords, or ``None``."""
+    spec, lookup = values.get("speculative"), values.get("prompt_lookup")
+    draft, k = values.get("draft_model"), values.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise IncompatibleOptionsError(f"num_speculative_tokens must be an int >= 1, got {k!r}")
+    asked = [name for name, v in (("speculative", spec), ("prompt_lookup", lookup), ("draft_model", draft)) if v]
+    if len(asked) > 1:
+        raise IncompatibleOptionsError(
+            f"generate() takes one of speculative=, prompt_lookup=, draft_model=; got {asked}"
+        )
+    if isinstance(spec, Strategy):
+        if k is not None:
+            raise IncompatibleOptionsError(
+                "num_speculative_tokens= does not apply to a Strategy instance; set num_tokens on the strategy"
+            )
+        return spec
+    if spec is True:
+        return _strategy_from_config(cfg, k, None)
+    if isinstance(spec, SpeculativeConfig):
+        return _strategy_from_config(spec, k, None)
+    if spec not in (None, False):
+        raise IncompatibleOptionsError(
+            f"generate(speculative=...) takes a Strategy, a SpeculativeConfig or True, got {type(spec).__name__}"
+        )
+    if lookup:
+        if lookup is not True:
+            raise IncompatibleOptionsError(f"generate(prompt_lookup=...) takes True, got {lookup!r}")
+        return PromptLookup(num_tokens=k or 10, max_ngram=cfg.max_ngram, adaptive=cfg.adaptive)
+    if draft is not None:
+        from .draft import DraftModel
+
+        return DraftModel(draft, num_tokens=k or cfg.num_tokens, adaptive=cfg.adaptive)
+    if k is not None:
+        raise IncompatibleOptionsError("num_speculative_tokens= needs draft_model=, prompt_lookup=True or speculative=")
+    return None
+
+
+def _check_call(call: GenerateCall) -> None:
+    kwargs = call.kwargs
+    config = kwargs.get("generation_config")
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) if config is not None else 1)
+    if beams and beams > 1:
+        raise IncompatibleOptionsError(
+            f"speculative generation cannot be combined with beam search (num_beams={beams}); use num_beams=1"
+        )
+    clashing = [name for name in _TRANSFORMERS_ASSISTED if kwargs.get(name) is not None]
+    if clashing:
+        raise IncompatibleOptionsError(
+            f"hf_accel's speculative generation replaces Transformers' assisted generation; drop {clashing}"
+        )
+    if kwargs.get("custom_generate") is not None:
+        raise IncompatibleOptionsError("speculative generation sets custom_generate itself; do not pass one")
+
+
+def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig) -> None:
+    """Add the speculative ``generate`` keywords to a patched model."""
+
+    def remember(name: str):
+        def apply(model: nn.Module, value: Any, call: GenerateCall) -> None:
+            call.notes.setdefault(FEATURE, {})[name] = value
+
+        return apply
+
+    def hook(model: nn.Module, call: GenerateCall) -> None:
+        strategy = _resolve(call.notes.get(FEATURE, {}), cfg)
+        if strategy is None:
+            return
+        _check_call(call)
+
+        def keep(stats: SpeculativeStats) -> None:
+            state.extras["speculative_stats"] = stats
+
+        call.kwargs["custom_generate"] = make_custom_generate(strategy, call.kwargs.get("streamer"), keep)
+
+    for name in _KWARGS:
+        state.generate_kwargs[name] = GenerateKwarg(name, FEATURE, remember(name))
+    state.call_hooks.append(hook)

@@ -1,0 +1,245 @@
+"""Model-based drafting: a smaller model (:class:`DraftModel`) or a cheaper copy of the target
+(:class:`SelfSpeculative`).
+
+The draft keeps its own cache over the same ragged rows as the target (:class:`.ragged.RaggedCache`): each
+step it first feeds what it has not seen of every row (the target's last token, and a fully accepted
+proposal's final draft), then proposes autoregressively; after verification it rolls back each row to the
+accepted prefix. In sampling mode it samples from its own processed distribution and hands those
+probabilities to the verifier (rejection sampling needs them).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import IncompatibleOptionsError
+from .ragged import RaggedCache
+from .strategies import Proposal, Strategy
+
+__all__ = ["DraftModel", "SelfSpeculative"]
+
+logger = logging.getLogger("hf_accel.speculative")
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _vocab(model: nn.Module) -> int:
+    out = model.get_output_embeddings()
+    return int(out.weight.shape[0]) if out is not None and hasattr(out, "weight") else int(model.config.vocab_size)
+
+
+class DraftModel(Strategy):
+    """Drafts with a smaller causal LM that shares the target's tokenizer.
+
+    Args:
+        draft: the draft model (same vocabulary, same device as the target).
+        num_tokens: initial draft tokens per step.
+        adaptive / max_tokens: see :class:`~.strategies.Strategy`.
+
+    Raises:
+        IncompatibleOptionsError: (at the call) a different vocabulary size or another device.
+    """
+
+    name = "draft"
+
+    def __init__(self, draft: nn.Module, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None):
+        super().__init__(num_tokens, adaptive, max_tokens)
+        if not isinstance(draft, nn.Module) or not hasattr(draft, "config"):
+            raise IncompatibleOptionsError(f"draft_model must be a Transformers causal LM, got {type(draft).__name__}")
+        self.draft = draft
+
+    def _check(self, target: nn.Module) -> None:
+        dv, tv = _vocab(self.draft), _vocab(target)
+        if dv != tv:
+            raise IncompatibleOptionsError(
+                f"the draft model's vocabulary has {dv} tokens but the target's has {tv}: a draft must share the "
+                "target's tokenizer"
+            )
+        dd, td = _device(self.draft), _device(target)
+        if dd != td:
+            raise IncompatibleOptionsError(
+                f"the draft model is on {dd} but the target is on {td}; move the draft to {td} "
+                "(drafts across devices are not supported)"
+            )
+
+    def start(self, target: nn.Module, batch: int, sampling: bool, processors: Sequence[Callable[..., Any]] = ()):
+        self._check(target)
+        super().start(target, batch, sampling, processors)
+        from transformers import DynamicCache
+
+        model = self._draft_for(target)
+        self._ragged = RaggedCache(model, DynamicCache(config=model.config), torch.zeros(batch, 0, dtype=torch.long))
+        self._seen = [0] * batch  # real tokens of each row the draft cache holds
+        self._fed = 0  # draft tokens fed back in the last propose (rolled back per row by observe)
+
+    def _draft_for(self, target: nn.Module) -> nn.Module:
+        return self.draft
+
+    def finish(self) -> None:
+        self._ragged = None
+
+    def _pick(self, row_ids: list[torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next draft token of every row from ``logits`` ``[B, V]``, and the sampling probabilities."""
+        scores = logits.float()
+        if self.processors:
+            scores = torch.cat([self._process(ids[None], s[None]) for ids, s in zip(row_ids, scores, strict=True)])
+        if not self.sampling:
+            return scores.argmax(-1), None
+        probs = scores.softmax(-1)
+        return torch.multinomial(probs, 1).squeeze(-1), probs
+
+    def _process(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for proc in self.processors:
+            scores = proc(ids, scores)
+        return scores
+
+    def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
+        ragged = self._ragged
+        device = _device(ragged.model)
+        k = max(budgets)
+        if k == 0:
+            self._fed = 0
+            return [Proposal.empty() for _ in sequences]
+        # catch up: every row's tokens the draft has not seen, left-padded into one chunk
+        unseen = [seq[n:] for seq, n in zip(sequences, self._seen, strict=True)]
+        width = max(u.shape[0] for u in unseen)
+        chunk = torch.zeros(len(unseen), width, dtype=torch.long)
+        valid = torch.zeros(len(unseen), width, dtype=torch.bool)
+        for i, u in enumerate(unseen):
+            chunk[i, width - u.shape[0] :] = u
+            valid[i, width - u.shape[0] :] = True
+        contexts = [seq.to(device) for seq in sequences]
+        tokens, probs = [], []
+        with torch.no_grad():
+            logits = ragged.feed(chunk.to(device), valid.to(device))[:, -1]
+            for step in range(k):
+                tok, p = self._pick(contexts, logits)
+                tokens.append(tok.cpu())
+                probs.append(p)
+                if step + 1 < k:
+                    contexts = [torch.cat([c, t[None]]) for c, t in zip(contexts, tok, strict=True)]
+                    logits = ragged.feed(tok[:, None])[:, -1]
+        self._seen = [seq.shape[0] + k - 1 for seq in sequences]
+        self._fed = k - 1
+        drafts = torch.stack(tokens, 1)  # [B, k]
+        stacked = torch.stack(probs, 1) if self.sampling else None  # [B, k, V]
+        return [Proposal(drafts[i, :b], stacked[i, :b] if stacked is not None else None) for i, b in enumerate(budgets)]
+
+    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        if self._fed:
+            keep = [min(a, self._fed) for a in accepted]
+            drop = [self._fed - kept for kept in keep]
+            self._ragged.rollback(drop)
+            self._seen = [n - d for n, d in zip(self._seen, drop, strict=True)]
+            self._fed = 0
+        super().observe(proposed, accepted)
+
+    def select(self, keep: Sequence[int]) -> None:
+        super().select(keep)
+        if keep:
+            self._ragged.select(keep)
+        self._seen = [self._seen[i] for i in keep]
+
+    def __repr__(self) -> str:
+        return f"DraftModel({type(self.draft).__name__}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive})"
+
+
+class _GatedMLP(nn.Module):
+    """``down(act(gate) * up)`` with ``[gate, up] = gate_up(x)``: a fused MLP whose projections are modules."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, act: nn.Module, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up, self.down_proj, self.act_fn, self.intermediate = gate_up, down, act, intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)  # each [..., I]
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _quantize_copy(model: nn.Module) -> None:
+    """Swap every ``nn.Linear`` (and fused MLP) of a private copy for int8 (lossy; the draft only proposes)."""
+    from ..fused.mlp import FusedGatedMLP
+    from ..quant import Int8Linear
+
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, FusedGatedMLP):
+                weight = child.gate_up_weight
+                lin = nn.Linear(weight.shape[1], weight.shape[0], bias=child.gate_up_bias is not None)
+                lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+                if child.gate_up_bias is not None:
+                    lin.bias = nn.Parameter(child.gate_up_bias.detach(), requires_grad=False)
+                mlp = _GatedMLP(Int8Linear.from_module(lin), child.down_proj, child.act_fn, child.intermediate_size)
+                setattr(module, child_name, mlp)
+        del name
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, child_name, Int8Linear.from_module(child))
+
+
+class SelfSpeculative(DraftModel):
+    """Drafts with a cheaper private copy of the target itself: its weights in int8 or a lower precision.
+
+    The copy is made on the first call for a given target and kept (it costs memory: ~1/4 of the target's
+    linear weights with int8). Acceptance is high because the copy is the same model; the speed-up comes
+    from the copy's faster decode steps (int8 reads a quarter of the bytes).
+
+    Args:
+        weights: ``"int8"`` (hf_accel's weight-only int8 kernel) or a ``torch.dtype`` such as ``torch.bfloat16``.
+        num_tokens / adaptive / max_tokens: see :class:`~.strategies.Strategy`.
+    """
+
+    name = "self"
+
+    def __init__(
+        self,
+        weights: str | torch.dtype = "int8",
+        num_tokens: int = 4,
+        adaptive: bool = True,
+        max_tokens: int | None = None,
+    ) -> None:
+        Strategy.__init__(self, num_tokens, adaptive, max_tokens)
+        if weights != "int8" and not isinstance(weights, torch.dtype):
+            raise IncompatibleOptionsError(f"SelfSpeculative.weights must be 'int8' or a torch.dtype, got {weights!r}")
+        self.weights = weights
+        self.draft = None
+        self._for: int | None = None
+
+    def _check(self, target: nn.Module) -> None:
+        return None  # the copy shares the target's vocabulary and device by construction
+
+    def _draft_for(self, target: nn.Module) -> nn.Module:
+        if self.draft is None or self._for != id(target):
+            self.draft = self.build(target, self.weights)
+            self._for = id(target)
+        return self.draft
+
+    @staticmethod
+    def build(target: nn.Module, weights: str | torch.dtype) -> nn.Module:
+        """The cheaper copy of ``target`` (a private deep copy; the target is not touched)."""
+        from ..patch import _STATE_ATTR
+
+        draft = copy.deepcopy(target)
+        for attr in ("generate", _STATE_ATTR):  # the copy is a plain model, not a patched one
+            draft.__dict__.pop(attr, None)
+        impl = getattr(draft.config, "_attn_implementation", None) or ""
+        if impl.startswith("hf_accel_paged:"):
+            draft.config._attn_implementation = impl.split(":", 1)[1]
+        if weights == "int8":
+            _quantize_copy(draft)
+        else:
+            draft.to(weights)
+        logger.info("hf_accel: built a %s self-speculative draft of %s", weights, type(target).__name__)
+        return draft.eval()
+
+    def __repr__(self) -> str:
+        return f"SelfSpeculative(weights={self.weights!r}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive})"

@@ -1,0 +1,359 @@
+"""The speculative decoding loop, run by ``generate(custom_generate=...)`` (see :mod:`.apply`).
+
+Transformers prepares everything a decoding method needs (generation config, logits processors with the
+sampling warpers, stopping criteria with max length / EOS / stop strings, the cache, the expanded inputs);
+this loop replaces only the token-by-token part:
+
+1. prefill the prompt; pick each row's first token like plain decoding;
+2. per step, the strategy proposes up to ``k_i`` tokens per row; the target scores every row's
+   ``[last, drafts...]`` in one forward (rows ragged: see :class:`.ragged.RaggedCache`);
+3. per row, verification keeps a prefix of the drafts plus one target token (:mod:`.verify`); tokens are
+   appended one at a time through the stopping criteria, exactly as plain decoding would stop;
+4. each row's rejected drafts are rolled back; finished rows leave the batch.
+
+Logits processors see each row's own sequence at each position (per-row calls), so repetition penalties,
+min-length rules and the sampling warpers apply exactly as in plain ``generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import IncompatibleOptionsError
+from .ragged import RaggedCache
+from .strategies import Proposal, Strategy
+from .verify import Verdict, verify_greedy, verify_sampling
+
+__all__ = ["SpeculativeStats", "make_custom_generate"]
+
+logger = logging.getLogger("hf_accel.speculative")
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative ``generate`` call.
+
+    Args:
+        strategy: the strategy's name.
+        proposed / accepted: draft tokens proposed and accepted, all rows together.
+        target_forwards: forward passes of the target, prefill included.
+        tokens: tokens generated, all rows together.
+        row_forwards: rows taking part in each target forward, summed (a finished row stops counting).
+        draft_s / verify_s: seconds spent proposing, and in target forwards plus verification.
+    """
+
+    strategy: str
+    proposed: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    tokens: int = 0
+    row_forwards: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Mean tokens a row gained per target forward (1.0 = no gain over plain decoding)."""
+        return self.tokens / self.row_forwards if self.row_forwards else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward)
+        return out
+
+
+class _Rows:
+    """Per-row sequences of the batch: the padded prompt, the real tokens, and what was generated."""
+
+    def __init__(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.prompt = input_ids  # [B, P] as given (left padded)
+        self.real = [row[m.bool()].cpu() for row, m in zip(input_ids, mask, strict=True)]  # [L_i] each
+        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.done = [False] * input_ids.shape[0]
+
+    def ids(self, row: int, extra: Sequence[int] = ()) -> torch.Tensor:
+        """``[1, P + g + len(extra)]``: what plain decoding's ``input_ids`` holds for this row."""
+        tail = torch.tensor([*self.generated[row], *extra], dtype=torch.long, device=self.prompt.device)
+        return torch.cat([self.prompt[row], tail])[None]
+
+    def sequence(self, row: int) -> torch.Tensor:
+        """The row's real tokens so far (prompt without padding, then generated), ``[L]`` on CPU."""
+        return torch.cat([self.real[row], torch.tensor(self.generated[row], dtype=torch.long)])
+
+
+def _has_sliding_layers(cache: Any) -> bool:
+    return any(getattr(layer, "sliding_window", None) for layer in getattr(cache, "layers", []))
+
+
+def _check_cache(model: nn.Module, cache: Any, max_length: int) -> None:
+    if hasattr(cache, "rollback_rows"):  # hf_accel's PagedCache: per-row rollback, any window
+        return
+    if _is_static(cache) or not hasattr(cache, "crop"):
+        raise IncompatibleOptionsError(
+            "speculative generation needs a cache that can roll back (DynamicCache or hf_accel.PagedCache), "
+            f"got {type(cache).__name__}; drop cache_implementation= or pass paged=True"
+        )
+    window = getattr(model.config, "sliding_window", None)
+    if _has_sliding_layers(cache) and window is not None and max_length > window:
+        raise IncompatibleOptionsError(
+            f"speculative generation past the sliding window ({max_length} > {window} tokens) needs the paged "
+            "cache: pass paged=True (Transformers' sliding-window cache layers cannot roll back there)"
+        )
+
+
+def _is_static(cache: Any) -> bool:
+    from transformers import StaticCache
+
+    return isinstance(cache, StaticCache)
+
+
+class _Loop:
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: Strategy,
+        processors: Sequence[Callable[..., torch.Tensor]],
+        stopping: Callable[..., torch.Tensor],
+        config: Any,
+        streamer: Any,
+    ) -> None:
+        from ..paged.runner import PagedRowTracker
+
+        self.model, self.strategy, self.config, self.streamer = model, strategy, config, streamer
+        self.processors = [p for p in processors if not isinstance(p, PagedRowTracker)]
+        self.stopping = stopping
+        self.sampling = bool(config.do_sample)
+        self.stats = SpeculativeStats(strategy.name)
+        self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
+        self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
+
+    # ----------------------------------------------------------------------------------- scoring
+    def _process(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float()
+        for proc in self.processors:
+            scores = proc(ids, scores)
+        return scores
+
+    def _pick(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.sampling:
+            return torch.multinomial(scores.softmax(-1), 1).squeeze(-1)
+        return scores.argmax(-1)
+
+    # ------------------------------------------------------------------------------------ running
+    def run(self, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> Any:
+        cfg = self.config
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(input_ids)
+        cache = model_kwargs.get("cache")
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=self.model.config)
+        _check_cache(self.model, cache, cfg.max_length)
+        rows = _Rows(input_ids, mask)
+        self.rows = rows
+        self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(len(rows.done))}
+        ragged = RaggedCache(self.model, cache, mask)
+        self.strategy.start(self.model, input_ids.shape[0], self.sampling, self.processors)
+        try:
+            self._prefill(ragged, input_ids)
+            active = [i for i, d in enumerate(rows.done) if not d]
+            if len(active) < len(rows.done):
+                self._select(ragged, active, list(range(len(rows.done))))
+            while active:
+                active = self._step(ragged, active)
+        finally:
+            self.strategy.finish()
+            if hasattr(cache, "rollback_rows"):
+                cache.reset()  # rows were re-indexed as they finished: nothing of them is published
+        if self.streamer is not None:
+            self.streamer.end()
+        logger.debug("speculative generate: %s", self.stats.as_dict())
+        return self._output(cache)
+
+    def _prefill(self, ragged: RaggedCache, input_ids: torch.Tensor) -> None:
+        start = ragged.cache.get_seq_length()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = ragged.feed(input_ids[:, start:], prefix=True)[:, -1].float()  # [B, V]
+        scores = self._process(input_ids, logits)
+        tokens = self._pick(scores)
+        self.stats.verify_s += time.perf_counter() - t0
+        self.stats.target_forwards += 1
+        self.stats.row_forwards += input_ids.shape[0]
+        self.last = tokens.tolist()
+        for row, tok in enumerate(self.last):
+            self._emit(row, [tok], [(scores[row], logits[row])])
+
+    def _emit(self, row: int, tokens: list[int], step_scores: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Append tokens to a row one at a time through the stopping criteria; returns how many were kept."""
+        rows = self.rows
+        kept = 0
+        for tok, sc in zip(tokens, step_scores, strict=True):
+            rows.generated[row].append(tok)
+            kept += 1
+            if self.want_scores or self.want_logits:
+                self.history[row].append(sc)
+            if bool(self.stopping(rows.ids(row), sc[0][None]).any()):
+                rows.done[row] = True
+                break
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor(tokens[:kept]))
+        self.stats.tokens += kept
+        return kept
+
+    def _budgets(self, active: list[int]) -> list[int]:
+        budgets = self.strategy.k.budgets()
+        prompt_len = self.rows.prompt.shape[1]
+        out = []
+        for b, row in zip(budgets, active, strict=True):
+            room = self.config.max_length - (prompt_len + len(self.rows.generated[row])) - 1
+            out.append(max(0, min(b, room)))
+        return out
+
+    def _step(self, ragged: RaggedCache, active: list[int]) -> list[int]:
+        rows = self.rows
+        t0 = time.perf_counter()
+        budgets = self._budgets(active)
+        proposals = (
+            self.strategy.propose([rows.sequence(r) for r in active], budgets)
+            if any(budgets)
+            else [Proposal.empty() for _ in active]
+        )
+        t1 = time.perf_counter()
+        self.stats.draft_s += t1 - t0
+        lens = [min(int(p.tokens.shape[0]), b) for p, b in zip(proposals, budgets, strict=True)]
+        width = 1 + max(lens)
+        device = rows.prompt.device
+        chunk = torch.zeros(len(active), width, dtype=torch.long)
+        valid = torch.zeros(len(active), width, dtype=torch.bool)
+        for i, (p, n) in enumerate(zip(proposals, lens, strict=True)):
+            chunk[i, 0] = self.last[i]
+            chunk[i, 1 : 1 + n] = p.tokens[:n]
+            valid[i, : 1 + n] = True
+        with torch.no_grad():
+            logits = ragged.feed(chunk.to(device), valid.to(device)).float()  # [Ba, W, V]
+        self.stats.target_forwards += 1
+        self.stats.row_forwards += len(active)
+        verdicts = self._verify(active, proposals, lens, logits)
+        self.stats.verify_s += time.perf_counter() - t1
+        drop, accepted = [], []
+        for i, (row, v, n) in enumerate(zip(active, verdicts, lens, strict=True)):
+            self.stats.proposed += n
+            self.stats.accepted += v.accepted
+            accepted.append(v.accepted)
+            self._emit(row, v.tokens, self._scores[i][: len(v.tokens)])
+            drop.append(n - v.accepted)
+            self.last[i] = v.tokens[-1]
+        ragged.rollback(drop)
+        self.strategy.observe(lens, accepted)
+        keep = [i for i, row in enumerate(active) if not rows.done[row]]
+        if len(keep) < len(active):
+            self._select(ragged, keep, active)
+        return [active[i] for i in keep]
+
+    def _select(self, ragged: RaggedCache, keep: list[int], active: list[int]) -> None:
+        if keep:
+            ragged.select(keep)
+        self.strategy.select(keep)
+        self.last = [self.last[i] for i in keep]
+
+    def _verify(
+        self, active: list[int], proposals: list[Proposal], lens: list[int], logits: torch.Tensor
+    ) -> list[Verdict]:
+        """Verdicts per row; also leaves per row the (scores, logits) of each chunk position in ``_scores``."""
+        fast = not self.sampling and not self.processors
+        if fast:
+            greedy = logits.argmax(-1).cpu()  # [Ba, W]
+        verdicts, self._scores = [], []
+        for i, (row, p, n) in enumerate(zip(active, proposals, lens, strict=True)):
+            drafts = p.tokens[:n]
+            if fast:
+                scores = logits[i, : n + 1]
+                verdicts.append(verify_greedy(drafts, greedy[i, : n + 1]))
+            else:
+                draft_list = drafts.tolist()
+                scores = torch.stack(
+                    [self._process(self.rows.ids(row, draft_list[:j]), logits[i, j][None])[0] for j in range(n + 1)]
+                )  # [n + 1, V]
+                if self.sampling:
+                    q = p.probs[:n] if p.probs is not None else None
+                    verdicts.append(verify_sampling(drafts.to(scores.device), scores.softmax(-1), q))
+                else:
+                    verdicts.append(verify_greedy(drafts, scores.argmax(-1).cpu()))
+            self._scores.append([(scores[j], logits[i, j]) for j in range(n + 1)])
+        return verdicts
+
+    # ------------------------------------------------------------------------------------- output
+    def _output(self, cache: Any) -> Any:
+        rows, cfg = self.rows, self.config
+        longest = max(len(g) for g in rows.generated)
+        pad = cfg._pad_token_tensor
+        pad_id = int(pad) if pad is not None else 0
+        tail = torch.full((len(rows.generated), longest), pad_id, dtype=torch.long)
+        for i, g in enumerate(rows.generated):
+            tail[i, : len(g)] = torch.tensor(g, dtype=torch.long)
+        sequences = torch.cat([rows.prompt, tail.to(rows.prompt.device)], 1)
+        if not cfg.return_dict_in_generate:
+            return sequences
+        from .output import SpeculativeGenerateOutput
+
+        def stacked(which: int) -> tuple[torch.Tensor, ...] | None:
+            if not (self.want_scores if which == 0 else self.want_logits):
+                return None
+            steps = []
+            for t in range(longest):
+                ref = next(h[t][which] for h in self.history.values() if len(h) > t)
+                steps.append(
+                    torch.stack([h[t][which] if len(h) > t else torch.zeros_like(ref) for h in self.history.values()])
+                )
+            return tuple(steps)
+
+        return SpeculativeGenerateOutput(
+            sequences=sequences,
+            scores=stacked(0),
+            logits=stacked(1),
+            cache=None if hasattr(cache, "rollback_rows") else cache,
+            speculative=self.stats.as_dict(),
+        )
+
+
+def make_custom_generate(strategy: Strategy, streamer: Any, on_stats: Callable[[SpeculativeStats], None]) -> Callable:
+    """A ``custom_generate`` callable for ``generate`` that runs :class:`_Loop` with ``strategy``.
+
+    ``streamer`` is passed here because Transformers hands custom decoding methods no streamer (it calls
+    ``streamer.put`` on the prompt itself; this loop puts the new tokens and calls ``end``).
+    """
+
+    def speculative_decoding(
+        model: nn.Module,
+        input_ids: torch.LongTensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        **model_kwargs: Any,
+    ) -> Any:
+        for flag in ("output_attentions", "output_hidden_states"):
+            if getattr(generation_config, flag, False):
+                raise IncompatibleOptionsError(f"speculative generation does not return {flag.removeprefix('output_')}")
+        if model_kwargs.get("inputs_embeds") is not None:
+            raise IncompatibleOptionsError("speculative generation needs input_ids (inputs_embeds are not supported)")
+        loop = _Loop(model, strategy, logits_processor, stopping_criteria, generation_config, streamer)
+        try:
+            return loop.run(input_ids, model_kwargs)
+        finally:
+            on_stats(loop.stats)
+
+    return speculative_decoding

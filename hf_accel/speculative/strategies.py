@@ -1,0 +1,222 @@
+"""Speculative strategies: what proposes draft tokens, behind one small protocol.
+
+A strategy serves one ``generate`` call at a time. The loop (:mod:`.loop`) calls, per step, for the rows
+still running (indices are positions in the *active* batch):
+
+* :meth:`Strategy.propose` ``(sequences, budgets)`` -> one :class:`Proposal` per row, at most ``budget``
+  tokens each (the budget is the row's adaptive ``k`` capped by what the row may still generate);
+* :meth:`Strategy.observe` ``(proposed, accepted)`` after verification, which also adapts ``k`` per row;
+* :meth:`Strategy.select` ``(keep)`` when rows finish and leave the batch.
+
+Adaptive ``k`` (:class:`AdaptiveK`): a row whose proposal was accepted in full proposes 2 more next time
+(up to ``max_tokens``); a rejection proposes one fewer. A row whose proposals were rejected outright
+``pause_after`` times in a row stops speculating for ``pause_steps`` steps (plain decoding, no verify cost),
+then probes again with one token: speculation that does not pay switches itself off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import IncompatibleOptionsError
+
+__all__ = ["AdaptiveK", "PromptLookup", "Proposal", "Strategy"]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one row.
+
+    Args:
+        tokens: ``[k]`` int64 on CPU (``k`` may be 0: no proposal this step).
+        probs: ``[k, V]`` the proposer's sampling probabilities for each token, or ``None`` when the proposer is
+            deterministic (the verifier then uses ``q = one_hot(token)``).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls) -> Proposal:
+        return cls(torch.zeros(0, dtype=torch.long))
+
+
+def _check_k(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise IncompatibleOptionsError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class AdaptiveK:
+    """Per-row number of draft tokens.
+
+    Args:
+        num_tokens: initial ``k``.
+        max_tokens: upper bound for ``k`` (default ``2 * num_tokens``).
+        adaptive: ``False`` keeps ``k`` fixed.
+        pause_after: full rejections in a row that pause speculation for the row (0 = never pause).
+        pause_steps: steps a paused row decodes plainly before probing with ``k = 1``.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        max_tokens: int | None = None,
+        adaptive: bool = True,
+        pause_after: int = 3,
+        pause_steps: int = 8,
+    ) -> None:
+        _check_k("num_speculative_tokens", num_tokens, 1)
+        max_tokens = max_tokens if max_tokens is not None else 2 * num_tokens
+        _check_k("max_tokens", max_tokens, num_tokens)
+        self.num_tokens, self.max_tokens, self.adaptive = num_tokens, max_tokens, adaptive
+        self.pause_after, self.pause_steps = pause_after, pause_steps
+        self._k: list[int] = []
+        self._misses: list[int] = []
+        self._paused: list[int] = []
+
+    def reset(self, batch: int) -> None:
+        self._k = [self.num_tokens] * batch
+        self._misses = [0] * batch
+        self._paused = [0] * batch
+
+    def budgets(self) -> list[int]:
+        """``k`` of every active row this step (0 for a paused row)."""
+        out = []
+        for i, k in enumerate(self._k):
+            if self._paused[i] > 0:
+                self._paused[i] -= 1
+                out.append(0)
+            else:
+                out.append(k)
+        return out
+
+    def observe(self, row: int, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if accepted == proposed:
+            self._k[row] = min(self.max_tokens, self._k[row] + 2)
+            self._misses[row] = 0
+            return
+        self._k[row] = max(1, self._k[row] - 1)
+        self._misses[row] = self._misses[row] + 1 if accepted == 0 else 0
+        if self.pause_after and self._misses[row] >= self.pause_after:
+            self._paused[row], self._misses[row], self._k[row] = self.pause_steps, 0, 1
+
+    def select(self, keep: Sequence[int]) -> None:
+        self._k = [self._k[i] for i in keep]
+        self._misses = [self._misses[i] for i in keep]
+        self._paused = [self._paused[i] for i in keep]
+
+
+class Strategy:
+    """Base class of speculative strategies (see the module docstring for the protocol).
+
+    Args:
+        num_tokens: initial draft tokens per step.
+        adaptive: adapt ``k`` per row from acceptance (:class:`AdaptiveK`).
+        max_tokens: upper bound of the adaptive ``k``.
+    """
+
+    #: short name used in stats and logs
+    name = "strategy"
+
+    def __init__(self, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None) -> None:
+        self.k = AdaptiveK(num_tokens, max_tokens, adaptive)
+
+    # -- per call -----------------------------------------------------------------------------------
+    def start(
+        self, target: torch.nn.Module, batch: int, sampling: bool, processors: Sequence[Callable[..., Any]] = ()
+    ) -> None:
+        """A new ``generate`` call on ``target`` with ``batch`` rows. Subclasses extend it.
+
+        Args:
+            target: the model being sped up.
+            batch: rows of the call.
+            sampling: whether the call samples (else greedy).
+            processors: the call's logits processors (a draft model applies them to its own logits).
+        """
+        self.k.reset(batch)
+        self.sampling = sampling
+        self.processors = list(processors)
+
+    def finish(self) -> None:
+        """The call ended (normally or not): drop per-call state."""
+
+    # -- per step -----------------------------------------------------------------------------------
+    def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
+        """Draft tokens for every active row.
+
+        Args:
+            sequences: each row's real tokens so far (prompt without padding, then generated), ``[L_i]`` int64 CPU.
+            budgets: the most tokens each row may propose.
+        """
+        raise NotImplementedError
+
+    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        """Verification result of every active row (in the order of the last :meth:`propose`)."""
+        for row, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
+            self.k.observe(row, p, a)
+
+    def select(self, keep: Sequence[int]) -> None:
+        """Only the active rows ``keep`` (indices into the active batch) go on."""
+        self.k.select(keep)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive})"
+
+
+class PromptLookup(Strategy):
+    """Drafts by copying: the tokens that followed an earlier occurrence of the sequence's last n-gram.
+
+    Pure tensor code. For ``n`` from ``max_ngram`` down to ``min_ngram``, the first earlier occurrence of the
+    last ``n`` tokens (in the prompt or the generated text) with a continuation wins; its continuation is the
+    proposal. No match: no proposal (a plain decoding step, nothing wasted).
+
+    Args:
+        num_tokens: initial draft tokens per step (default 10).
+        max_ngram: longest n-gram matched.
+        min_ngram: shortest n-gram matched.
+        adaptive / max_tokens: see :class:`Strategy`.
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(
+        self,
+        num_tokens: int = 10,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        adaptive: bool = True,
+        max_tokens: int | None = None,
+    ) -> None:
+        super().__init__(num_tokens, adaptive, max_tokens)
+        _check_k("max_ngram", max_ngram, 1)
+        _check_k("min_ngram", min_ngram, 1)
+        if min_ngram > max_ngram:
+            raise IncompatibleOptionsError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
+        return [self._lookup(seq, k) for seq, k in zip(sequences, budgets, strict=True)]
+
+    def _lookup(self, seq: torch.Tensor, k: int) -> Proposal:
+        length = seq.shape[0]
+        if k <= 0:
+            return Proposal.empty()
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            windows = seq.unfold(0, n, 1)[:-1]  # [L - n, n]: every earlier n-gram (not the tail itself)
+            hits = (windows == seq[-n:]).all(1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[0]) + n  # continuation of the first occurrence
+                return Proposal(seq[start : min(start + k, length)].clone())
+        return Proposal.empty()
+
+    def __repr__(self) -> str:
+        return (
+            f"PromptLookup(num_tokens={self.k.num_tokens}, max_ngram={self.max_ngram}, "
+            f"min_ngram={self.min_ngram}, adaptive={self.k.adaptive})"
+        )
