@@ -82,23 +82,26 @@ class SpeculativeConfig:
 
     Args:
         strategy: ``"prompt_lookup"``, ``"draft"`` or ``"self"``.
-        num_tokens: initial number of draft tokens proposed per step.
-        adaptive: grow/shrink the number of draft tokens per sequence from acceptance.
+        num_tokens: initial number of draft tokens proposed per step; ``None``: the strategy's default
+            (10 for prompt lookup, 5 for a draft model, 4 for self-speculation).
+        adaptive: grow/shrink the number of draft tokens per sequence from acceptance; ``None``: the strategy's
+            default (off for prompt lookup, on for model drafts).
         max_ngram: longest n-gram matched by prompt lookup.
     """
 
     strategy: str = "prompt_lookup"
-    num_tokens: int = 5
-    adaptive: bool = True
+    num_tokens: int | None = None
+    adaptive: bool | None = None
     max_ngram: int = 3
 
     STRATEGIES: ClassVar[tuple[str, ...]] = ("prompt_lookup", "draft", "self")
 
     def __post_init__(self) -> None:
         _check_choice(self, "strategy", self.STRATEGIES)
-        _check_int(self, "num_tokens", minimum=1)
+        _check_int(self, "num_tokens", minimum=1, optional=True)
         _check_int(self, "max_ngram", minimum=1)
-        _check_bool(self, "adaptive")
+        if self.adaptive is not None:
+            _check_bool(self, "adaptive")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from hf_accel import (
             lambda: SpeculativeConfig(strategy="magic"),
             "SpeculativeConfig.strategy must be one of 'prompt_lookup', 'draft', 'self', got 'magic'",
         ),
-        (lambda: SpeculativeConfig(num_tokens=0), "SpeculativeConfig.num_tokens must be an int >= 1, got 0"),
+        (lambda: SpeculativeConfig(num_tokens=0), "SpeculativeConfig.num_tokens must be an int >= 1 or None, got 0"),
         (
             lambda: CompileConfig(mode="fast"),
             "CompileConfig.mode must be one of 'default', 'reduce-overhead', "

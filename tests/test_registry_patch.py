@@ -85,7 +85,7 @@ def test_patch_report_counts_changes():
     assert report["features"] == {
         "fused_mlp": {"eager": False},
         "paged": {"block_size": 16, "num_blocks": None, "max_memory": None, "prefix_cache": False, "attention": "auto"},
-        "speculative": {"strategy": "prompt_lookup", "num_tokens": 5, "adaptive": True, "max_ngram": 3},
+        "speculative": {"strategy": "prompt_lookup", "num_tokens": None, "adaptive": None, "max_ngram": 3},
     }
     assert report["changes"]["paged"] == {"attention sdpa -> hf_accel_paged:sdpa": 1}
     assert report["changes"]["fused_mlp"] == {"gate_proj weight shared": 2, "up_proj weight shared": 2, "MLP fused": 2}

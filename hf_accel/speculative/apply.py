@@ -14,6 +14,7 @@ is prepared by Transformers as usual. Patching changes nothing on the model itse
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -42,16 +43,22 @@ def apply_speculative(model: nn.Module, parts: ModelParts, cfg: SpeculativeConfi
 
 
 def _strategy_from_config(cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None) -> Strategy:
+    """The strategy ``cfg`` names; ``num_tokens`` (a generate keyword) overrides ``cfg.num_tokens``."""
     from .draft import DraftModel, SelfSpeculative
 
+    options: dict[str, Any] = {}
     k = num_tokens if num_tokens is not None else cfg.num_tokens
+    if k is not None:
+        options["num_tokens"] = k
+    if cfg.adaptive is not None:
+        options["adaptive"] = cfg.adaptive
     if cfg.strategy == "draft":
         if draft is None:
             raise IncompatibleOptionsError("SpeculativeConfig(strategy='draft') needs generate(draft_model=...)")
-        return DraftModel(draft, num_tokens=k, adaptive=cfg.adaptive)
+        return DraftModel(draft, **options)
     if cfg.strategy == "self":
-        return SelfSpeculative(num_tokens=k, adaptive=cfg.adaptive)
-    return PromptLookup(num_tokens=k, max_ngram=cfg.max_ngram, adaptive=cfg.adaptive)
+        return SelfSpeculative(**options)
+    return PromptLookup(max_ngram=cfg.max_ngram, **options)
 
 
 def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
@@ -82,11 +89,9 @@ def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
     if lookup:
         if lookup is not True:
             raise IncompatibleOptionsError(f"generate(prompt_lookup=...) takes True, got {lookup!r}")
-        return PromptLookup(num_tokens=k or 10, max_ngram=cfg.max_ngram, adaptive=cfg.adaptive)
+        return _strategy_from_config(dataclasses.replace(cfg, strategy="prompt_lookup"), k, None)
     if draft is not None:
-        from .draft import DraftModel
-
-        return DraftModel(draft, num_tokens=k or cfg.num_tokens, adaptive=cfg.adaptive)
+        return _strategy_from_config(dataclasses.replace(cfg, strategy="draft"), k, draft)
     if k is not None:
         raise IncompatibleOptionsError("num_speculative_tokens= needs draft_model=, prompt_lookup=True or speculative=")
     return None
