@@ -97,8 +97,13 @@ class DraftModel(Strategy):
         return torch.multinomial(probs, 1).squeeze(-1), probs
 
     def _process(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # the draft's own distribution q only has to be the one it samples from: batch-indexed processors
+        # (which would need the target's batch layout) are left out
+        from .loop import row_independent
+
         for proc in self.processors:
-            scores = proc(ids, scores)
+            if row_independent(proc):
+                scores = proc(ids, scores)
         return scores
 
     def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:

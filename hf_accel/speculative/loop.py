@@ -92,6 +92,45 @@ class _Rows:
         return torch.cat([self.real[row], torch.tensor(self.generated[row], dtype=torch.long)])
 
 
+def _row_independent_types() -> tuple[type, ...]:
+    import transformers.generation.logits_process as lp
+
+    names = [
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "TopHLogitsWarper",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "SuppressTokensLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "InfNanRemoveLogitsProcessor",
+        "RepetitionPenaltyLogitsProcessor",
+    ]
+    return tuple(getattr(lp, n) for n in names if hasattr(lp, n))
+
+
+def row_independent(processor: Any) -> bool:
+    """Whether ``processor`` treats every row alone (no per-batch-index state): it may then be called on one row.
+
+    Others (user processors, prefix constraints, a repetition penalty with a per-row prompt length) are called
+    on the full original batch with the row replicated, and the row is read back at its own index.
+    """
+    if not isinstance(processor, _row_independent_types()):
+        return False
+    return not isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor)
+
+
 def _has_sliding_layers(cache: Any) -> bool:
     return any(getattr(layer, "sliding_window", None) for layer in getattr(cache, "layers", []))
 
@@ -140,9 +179,21 @@ class _Loop:
 
     # ----------------------------------------------------------------------------------- scoring
     def _process(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """All rows of the batch at once (``ids`` ``[B, L]``, every row at the same step), as plain decoding."""
         scores = logits.float()
         for proc in self.processors:
             scores = proc(ids, scores)
+        return scores
+
+    def _process_row(self, row: int, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """One row (``ids`` ``[1, L]``, ``logits`` ``[1, V]``) at its own length, with its own batch index."""
+        scores = logits.float()
+        batch = self.rows.prompt.shape[0]
+        for proc in self.processors:
+            if row_independent(proc):
+                scores = proc(ids, scores)
+            else:
+                scores = proc(ids.expand(batch, -1), scores.expand(batch, -1).clone())[row : row + 1]
         return scores
 
     def _pick(self, scores: torch.Tensor) -> torch.Tensor:
@@ -286,7 +337,10 @@ class _Loop:
             else:
                 draft_list = drafts.tolist()
                 scores = torch.stack(
-                    [self._process(self.rows.ids(row, draft_list[:j]), logits[i, j][None])[0] for j in range(n + 1)]
+                    [
+                        self._process_row(row, self.rows.ids(row, draft_list[:j]), logits[i, j][None])[0]
+                        for j in range(n + 1)
+                    ]
                 )  # [n + 1, V]
                 if self.sampling:
                     q = p.probs[:n] if p.probs is not None else None

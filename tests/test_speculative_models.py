@@ -1,0 +1,240 @@
+"""Tier (c): speculative generate on tiny models of every architecture and on the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EOS, PAD, random_batch, tiny_model
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+
+import hf_accel
+from hf_accel import IncompatibleOptionsError
+from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
+from hf_accel.speculative.strategies import Proposal
+
+
+def _repetitive_batch(batch: int, seed: int = 0):
+    """Left-padded prompts that repeat their own n-grams, so prompt lookup finds matches."""
+    lengths = [12, 30, 21, 8][:batch]
+    ids, mask = random_batch(batch, lengths, seed=seed)
+    for row, n in enumerate(lengths):
+        width = ids.shape[1]
+        seg = ids[row, width - n : width - n + n // 2].clone()
+        ids[row, width - len(seg) :] = seg
+    return ids, mask
+
+
+def _pair(arch: str, **overrides):
+    return tiny_model(arch, **overrides), hf_accel.patch_model(tiny_model(arch, **overrides))
+
+
+def _strategies(arch: str) -> dict[str, dict]:
+    return {
+        "prompt_lookup": {"prompt_lookup": True, "num_speculative_tokens": 4},
+        "draft": {"draft_model": tiny_model(arch, seed=7), "num_speculative_tokens": 3},  # unrelated weights
+    }
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_identical_to_plain_generate(arch, batch):
+    plain, patched = _pair(arch)
+    ids, mask = _repetitive_batch(batch, seed=batch)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    for name, extra in _strategies(arch).items():
+        for paged in (False, True):
+            got = patched.generate(input_ids=ids, attention_mask=mask, paged=paged, **kwargs, **extra)
+            assert torch.equal(got, expected), (name, paged)
+
+
+@pytest.mark.parametrize("weights", ["int8", torch.bfloat16])
+def test_self_speculative_is_exact_and_accepts_most_drafts(weights):
+    plain, patched = _pair("qwen2")
+    ids, mask = _repetitive_batch(3)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs).sequences
+    out = patched.generate(input_ids=ids, attention_mask=mask, speculative=SelfSpeculative(weights), **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative["acceptance_rate"] > 0.5  # a cheaper copy of the same model mostly agrees
+
+
+class _Garbage(Strategy):
+    """Proposes random tokens: may only cost time, never change greedy output."""
+
+    name = "garbage"
+
+    def propose(self, sequences, budgets):
+        gen = torch.Generator().manual_seed(sum(s.shape[0] for s in sequences))
+        return [Proposal(torch.randint(0, 256, (b,), generator=gen)) for b in budgets]
+
+
+def test_garbage_drafts_never_change_greedy_output():
+    plain, patched = _pair("llama")
+    ids, mask = random_batch(3, [5, 14, 9], seed=3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out = patched.generate(
+        input_ids=ids, attention_mask=mask, speculative=_Garbage(num_tokens=5), return_dict_in_generate=True, **kwargs
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative["proposed"] > 0 and out.speculative["target_forwards"] >= 12
+
+
+def test_logits_processors_eos_and_stopping_criteria_behave_as_plain(arch):
+    plain, patched = _pair(arch)
+    ids, mask = _repetitive_batch(3, seed=5)
+    probe = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    eos = int(probe[1, ids.shape[1] + 3])  # row 1 meets this token early: rows finish at different steps
+
+    class StopAfter(StoppingCriteria):  # a user criterion: stop a row once it holds 10 generated tokens
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 10, dtype=torch.bool)
+
+    kwargs = dict(
+        max_new_tokens=14,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        repetition_penalty=1.3,
+        min_new_tokens=2,
+        stopping_criteria=StoppingCriteriaList([StopAfter()]),
+    )
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    for extra in _strategies(arch).values():
+        assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, **kwargs, **extra), expected)
+
+
+def test_streamer_receives_every_token_once():
+    _, patched = _pair("llama")
+    ids, _ = _repetitive_batch(1)
+    seen: list[list[int]] = []
+
+    class Collect:
+        ended = False
+
+        def put(self, value):
+            seen.append(value.flatten().tolist())
+
+        def end(self):
+            Collect.ended = True
+
+    out = patched.generate(input_ids=ids, max_new_tokens=10, do_sample=False, prompt_lookup=True, streamer=Collect())
+    assert seen[0] == ids[0].tolist()  # the prompt, put by Transformers
+    assert [t for chunk in seen[1:] for t in chunk] == out[0, ids.shape[1] :].tolist() and Collect.ended
+
+
+def test_return_dict_scores_and_stats():
+    plain, patched = _pair("mistral")
+    ids, mask = _repetitive_batch(2)
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, output_scores=True, **kwargs)
+    out = patched.generate(input_ids=ids, attention_mask=mask, output_scores=True, prompt_lookup=True, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.scores) == len(expected.scores) == 6
+    for a, b in zip(out.scores, expected.scores, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    stats = out.speculative
+    assert stats["strategy"] == "prompt_lookup" and stats["tokens"] == 12
+    assert stats["target_forwards"] <= 6 and 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["tokens_per_forward"] == pytest.approx(12 / stats["row_forwards"])
+
+
+def test_sampling_matches_the_target_distribution():
+    """Joint distribution of the first two sampled tokens, speculative vs exact, chi-square."""
+    target = hf_accel.patch_model(tiny_model("llama"))
+    draft = tiny_model("llama", seed=3)  # a different model: rejections and resampling happen
+    prompt = torch.tensor([[5, 9, 14, 5, 9]])
+    n = 3000
+    kwargs = dict(do_sample=True, top_k=3, temperature=1.0, max_new_tokens=2, eos_token_id=None)
+    torch.manual_seed(0)
+    out = target.generate(input_ids=prompt.repeat(n, 1), draft_model=draft, num_speculative_tokens=2, **kwargs)
+    pairs = out[:, -2:]
+    # exact joint distribution under top-k=3 sampling of the target
+    with torch.no_grad():
+        first = torch.topk(target(input_ids=prompt).logits[0, -1], 3)
+        p1 = torch.zeros(256).scatter(0, first.indices, first.values.softmax(-1))
+        ext = torch.cat([prompt.repeat(3, 1), first.indices[:, None]], 1)
+        second = torch.topk(target(input_ids=ext).logits[:, -1], 3)
+    expected, observed = [], []
+    for i in range(3):
+        for j in range(3):
+            a, b = int(first.indices[i]), int(second.indices[i, j])
+            expected.append(float(p1[a] * second.values[i].softmax(-1)[j]) * n)
+            observed.append(int(((pairs[:, 0] == a) & (pairs[:, 1] == b)).sum()))
+    assert sum(observed) == n  # nothing outside the top-k support
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0)
+    assert chi2 < 26.1, (chi2, observed, expected)  # 8 degrees of freedom, p = 0.001
+
+
+def test_bad_input_is_a_clear_error():
+    plain, patched = _pair("llama")
+    ids, _ = _repetitive_batch(1)
+    cases = [
+        (dict(draft_model=tiny_model("llama", vocab_size=300)), "vocabulary has 300 tokens but the target's has 256"),
+        (dict(prompt_lookup=True, num_beams=2), "cannot be combined with beam search (num_beams=2)"),
+        (dict(prompt_lookup=True, num_speculative_tokens=0), "num_speculative_tokens must be an int >= 1, got 0"),
+        (dict(prompt_lookup=True, draft_model=plain), "takes one of speculative=, prompt_lookup=, draft_model="),
+        (dict(num_speculative_tokens=3), "num_speculative_tokens= needs draft_model=, prompt_lookup=True"),
+        (dict(prompt_lookup=True, prompt_lookup_num_tokens=3), "replaces Transformers' assisted generation"),
+        (dict(speculative="fast"), "takes a Strategy, a SpeculativeConfig or True, got str"),
+        (dict(prompt_lookup=True, cache_implementation="static"), "needs a cache that can roll back"),
+        (dict(speculative=PromptLookup(), num_speculative_tokens=2), "does not apply to a Strategy instance"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(IncompatibleOptionsError) as info:
+            patched.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **extra)
+        assert message in str(info.value), (extra, str(info.value))
+    with pytest.raises(IncompatibleOptionsError, match="the draft model is on meta but the target is on cpu"):
+        patched.generate(input_ids=ids, max_new_tokens=3, draft_model=tiny_model("llama").to("meta"))
+
+
+def test_sliding_window_beyond_the_window_needs_the_paged_cache():
+    plain, patched = _pair("mistral", sliding_window=8)
+    ids, mask = _repetitive_batch(2)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, prompt_lookup=True)
+    with pytest.raises(IncompatibleOptionsError, match="past the sliding window"):
+        patched.generate(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=patched.config), **kwargs)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, paged=True, **kwargs), expected)
+
+
+def test_patch_config_picks_the_default_strategy():
+    cfg = hf_accel.SpeculativeConfig(strategy="self", num_tokens=3)
+    plain = tiny_model("qwen3")
+    patched = hf_accel.patch_model(tiny_model("qwen3"), speculative=cfg)
+    ids, mask = _repetitive_batch(2)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+    out = patched.generate(input_ids=ids, attention_mask=mask, speculative=True, return_dict_in_generate=True, **kwargs)
+    assert out.speculative["strategy"] == "self"
+    assert torch.equal(out.sequences, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert isinstance(DraftModel(plain).k.num_tokens, int)
+
+
+@pytest.mark.parametrize("strategy", ["prompt_lookup", "self"])
+def test_real_model_speculative_greedy_identical(default_model, strategy):
+    model, tokenizer = default_model
+    passage = (
+        "The library opens at nine and closes at six on weekdays. On Saturdays it opens at ten and closes at "
+        "four. Members may borrow up to eight books for three weeks and renew them twice."
+    )
+    prompts = [
+        f"Fix the punctuation of the following passage and write it out again in full:\n\n{passage}",
+        "What is the capital of France?",
+    ]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    extra = {"prompt_lookup": True} if strategy == "prompt_lookup" else {"speculative": SelfSpeculative("int8")}
+    with torch.inference_mode():
+        expected = model.generate(**inputs, **kwargs)
+        hf_accel.patch_model(model)
+        try:
+            got = model.generate(**inputs, return_dict_in_generate=True, **kwargs, **extra)
+        finally:
+            hf_accel.unpatch_model(model)
+    assert torch.equal(got.sequences, expected)
+    assert got.speculative["tokens_per_forward"] > 1.3  # the copying row is mostly verified in chunks
