@@ -83,6 +83,7 @@ def main() -> None:
                 "plain generate": {},
                 "hf_accel prompt lookup": {"speculative": PromptLookup(num_tokens=10)},
                 "hf_accel prompt lookup + paged": {"speculative": PromptLookup(num_tokens=10), "paged": True},
+                "hf_accel prompt lookup k=16 + paged": {"speculative": PromptLookup(num_tokens=16), "paged": True},
                 "hf_accel self-spec (int8 copy)": {"speculative": self_spec},
             }
             if batch == 1:

@@ -20,9 +20,10 @@ from .errors import (
     UnsupportedModelError,
 )
 from .fused import FusedGatedMLP
+from .metrics import GenerationStats
 from .models import load_default, load_model
 from .paged.cache import PagedCache
-from .patch import is_patched, patch_model, patch_report, unpatch_model
+from .patch import is_patched, last_stats, patch_model, patch_report, unpatch_model
 from .registry import supported_model_types
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "FeatureNotAvailableError",
     "FusedGatedMLP",
     "FusedMLPConfig",
+    "GenerationStats",
     "HFAccelError",
     "IncompatibleOptionsError",
     "Int8Config",
@@ -47,6 +49,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "is_patched",
+    "last_stats",
     "load_default",
     "load_model",
     "patch_model",

@@ -8,14 +8,17 @@ the model's original ``generate`` untouched, so a misspelt argument still gets T
 from __future__ import annotations
 
 import functools
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .errors import FeatureNotAvailableError, IncompatibleOptionsError
+from .metrics import StepClock
 
 if TYPE_CHECKING:
     from .patch import PatchState
@@ -103,6 +106,77 @@ def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, 
         handler.apply(model, value, call)
 
 
+def _attach_clock(call: GenerateCall) -> StepClock:
+    from transformers import StoppingCriteriaList
+
+    clock = StepClock()
+    given = call.kwargs.get("stopping_criteria")
+    call.kwargs["stopping_criteria"] = StoppingCriteriaList([*(given or []), clock])
+    return clock
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _eos_ids(model: nn.Module, kwargs: dict[str, Any]) -> set[int]:
+    eos = kwargs.get("eos_token_id", "unset")
+    if eos == "unset":
+        config = kwargs.get("generation_config") or model.generation_config
+        eos = config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos: set[int]) -> int:
+    """Generated tokens, each row counted up to and including its first EOS (padding after it is not)."""
+    tail = sequences[:, prompt_len:]
+    if not eos or tail.numel() == 0:
+        return int(tail.numel())
+    hit = torch.isin(tail, torch.tensor(sorted(eos), device=tail.device))
+    first = torch.where(
+        hit.any(1), hit.int().argmax(1) + 1, torch.full_like(hit[:, 0], tail.shape[1], dtype=torch.long)
+    )
+    return int(first.sum())
+
+
+def _kv_bytes(call: GenerateCall, out: Any, real_fraction: float) -> tuple[int | None, int | None]:
+    cache = call.kwargs.get("cache")
+    if cache is not None and hasattr(cache, "stats"):  # hf_accel's PagedCache: the pool, and its high-water mark
+        stats = cache.stats()
+        return int(stats["bytes_reserved"]), int(stats["peak_blocks_used"]) * cache.block_bytes
+    cache = getattr(out, "cache", None) if not isinstance(out, torch.Tensor) else None
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None, None
+    held = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values) if t is not None)
+    return held, int(held * real_fraction)  # a contiguous cache also holds padding
+
+
+def _measure(model: nn.Module, state: PatchState, call: GenerateCall, clock: StepClock, out: Any, device) -> Any:
+    end = time.perf_counter()
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    ids = call.input_ids()
+    prompt_len = ids.shape[-1] if ids is not None else 0
+    mask = call.kwargs.get("attention_mask")
+    expand = sequences.shape[0] // max(1, ids.shape[0] if ids is not None else 1)
+    prompt_tokens = int(mask.sum()) * expand if mask is not None else prompt_len * sequences.shape[0]
+    new = _new_tokens(sequences, prompt_len, _eos_ids(model, call.kwargs))
+    fraction = (prompt_tokens + new) / max(1, sequences.numel())
+    spec = state.extras.get("speculative_stats")
+    return clock.stats(
+        batch=sequences.shape[0],
+        prompt_tokens=prompt_tokens,
+        new_tokens=new,
+        end=end,
+        kv=_kv_bytes(call, out, fraction),
+        peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        speculative=spec.as_dict() if spec is not None else None,
+    )
+
+
 def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> None:
     """Bind the wrapper as ``model.generate`` on this instance only (recorded, so unpatch removes it)."""
     original = model.generate  # bound method of the class, or a wrapper someone else bound before us
@@ -114,6 +188,15 @@ def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> No
         _apply_plugin_kwargs(self, state, plugin, call)
         for hook in state.call_hooks:
             hook(self, call)
-        return call.run(original)
+        state.extras.pop("speculative_stats", None)
+        clock = _attach_clock(call)
+        device = _device_of(self)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        out = call.run(original)
+        state.extras["last_stats"] = _measure(self, state, call, clock, out, device)
+        if not isinstance(out, torch.Tensor):
+            out.metrics = state.extras["last_stats"]
+        return out
 
     recorder.set_instance_attr("core", model, "generate", types.MethodType(generate, model), "generate wrapped")

@@ -168,3 +168,16 @@ def patch_report(model: nn.Module) -> dict[str, Any]:
         "changes": state.recorder.counts(),
         "generate_kwargs": sorted(state.generate_kwargs),
     }
+
+
+def last_stats(model: nn.Module) -> Any:
+    """The :class:`~hf_accel.metrics.GenerationStats` of the last ``generate`` call on ``model`` (``None`` before
+    the first call).
+
+    Raises:
+        NotPatchedError: the model is not patched.
+    """
+    state = _get_state(model)
+    if state is None:
+        raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; it keeps no stats")
+    return state.extras.get("last_stats")

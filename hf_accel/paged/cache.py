@@ -293,7 +293,8 @@ class PagedCache(Cache):
             ``blocks_total``, ``blocks_used`` (held by live rows), ``blocks_cached`` (held only by the prefix
             table), ``blocks_free``, ``blocks_shared`` (by more than one row), ``bytes_reserved``, ``bytes_live``
             (K/V bytes of tokens live rows hold), ``utilisation`` (``bytes_live`` / bytes of the blocks in use),
-            ``live_tokens``, ``prefix_hit_tokens`` / ``prompt_tokens`` (since construction), ``peak_blocks_used``.
+            ``live_tokens``, ``prefix_hit_tokens`` / ``prompt_tokens`` (since construction),
+            ``peak_blocks_used`` (since the last :meth:`start`, i.e. during the last ``generate`` call).
         """
         m = self.manager
         live_tokens = sum(m.num_tokens(s) for s in self._rows if s is not None)
@@ -451,6 +452,7 @@ class PagedCache(Cache):
             CacheFullError: the prompts alone need more blocks than the pool has.
         """
         self.reset()
+        self.peak_blocks_used = 0  # per call: the high-water mark of this batch
         real = _real_tokens(input_ids, attention_mask)
         pads = [input_ids.shape[1] - len(toks) for toks in real]
         need = sum(-(-len(toks) // self.block_size) for toks in real)
