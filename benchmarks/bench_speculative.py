@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import hf_accel
-from hf_accel.speculative import PromptLookup, SelfSpeculative
+from hf_accel.speculative import Composite, PromptLookup, SelfSpeculative
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 CHAT = [
@@ -74,6 +74,7 @@ def main() -> None:
     assistant = copy.deepcopy(model)
     hf_accel.patch_model(model)
     self_spec = SelfSpeculative("int8")
+    combo = Composite(PromptLookup(num_tokens=10), self_spec)
     print("| task | batch | method | tokens/s | vs plain | identical | acceptance | tokens/forward |")
     print("|---|---|---|---|---|---|---|---|")
     for task in args.tasks:
@@ -85,6 +86,7 @@ def main() -> None:
                 "hf_accel prompt lookup + paged": {"speculative": PromptLookup(num_tokens=10), "paged": True},
                 "hf_accel prompt lookup k=16 + paged": {"speculative": PromptLookup(num_tokens=16), "paged": True},
                 "hf_accel self-spec (int8 copy)": {"speculative": self_spec},
+                "hf_accel prompt lookup, else self-spec": {"speculative": combo, "paged": True},
             }
             if batch == 1:
                 methods["Transformers prompt_lookup_num_tokens=10"] = {"prompt_lookup_num_tokens": 10}

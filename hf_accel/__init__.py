@@ -24,6 +24,7 @@ from .metrics import GenerationStats
 from .models import load_default, load_model
 from .paged.cache import PagedCache
 from .patch import is_patched, last_stats, patch_model, patch_report, unpatch_model
+from .quant.checkpoint import load_quantized, save_quantized
 from .registry import supported_model_types
 
 __version__ = "0.1.0"
@@ -52,8 +53,10 @@ __all__ = [
     "last_stats",
     "load_default",
     "load_model",
+    "load_quantized",
     "patch_model",
     "patch_report",
+    "save_quantized",
     "supported_model_types",
     "unpatch_model",
 ]

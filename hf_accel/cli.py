@@ -25,6 +25,24 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     demo.add_argument("--prompt", action="append", help="a chat prompt (repeatable; default: two built-in ones)")
     sub.add_parser("archs", help="list the supported model types")
+    bench = sub.add_parser("bench", help="technique-comparison table on your model (speed, memory, quality)")
+    bench.add_argument("--model", default="default", help="local model folder, or 'default' (SmolLM2-135M)")
+    bench.add_argument(
+        "--techniques",
+        default="baseline,fused,paged,int8,prompt-lookup,self-spec",
+        help="comma-separated: baseline, fused, paged, compile, int8, bnb, prompt-lookup, draft, self-spec, all",
+    )
+    bench.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    bench.add_argument("--prompts", default="chat", help='chat, grounded, or a .jsonl file of {"prompt": ...}')
+    bench.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (default 64)")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--repeats", type=int, default=3, help="timed runs per cell; the median is shown")
+    bench.add_argument("--draft-model", help="local folder of a draft model (the 'draft' technique)")
+    bench.add_argument("--json", help="also write the results as JSON to this path")
+    bench.add_argument("--markdown", help="also write the table as Markdown to this path")
+    bench.add_argument("--plot", help="also write a PNG chart (speed-up and KV memory per technique)")
+    bench.add_argument("--profile", help="profile the baseline first; write a Chrome trace to this path")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
@@ -45,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(supported_model_types()))
             return 0
         _positive(parser, "--max-new-tokens", args.max_new_tokens)
+        if args.command == "bench":
+            return _bench(parser, args)
         from .demo import run_demo
 
         run_demo(list(args.prompt or DEMO_PROMPTS), args.max_new_tokens)
@@ -52,6 +72,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HFAccelError as err:  # user errors: a message, no traceback
         print(f"hf-accel: error: {err}", file=sys.stderr)
         return 2
+
+
+def _batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--batch takes comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        parser.error(f"--batch sizes must be >= 1, got {text!r}")
+    return values
+
+
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from . import bench
+    from .models import load_model
+
+    _positive(parser, "--repeats", args.repeats)
+    batches = _batches(parser, args.batch)
+    techniques, notes = bench.parse_techniques(args.techniques, has_draft=args.draft_model is not None)
+    outputs = {name: bench.check_writable(getattr(args, name), f"--{name}") for name in ("json", "markdown", "plot")}
+    trace = bench.check_writable(args.profile, "--profile")
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_model(args.model, dtype)
+    draft = load_model(args.draft_model, dtype)[0] if args.draft_model else None
+    if args.profile:
+        print(bench.profile(model, tokenizer, trace))
+        print(f"Chrome trace: {trace}\n")
+    results = bench.run_bench(
+        model, tokenizer, techniques, batches, args.prompts, args.max_new_tokens, args.repeats, draft,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    table = bench.markdown_table(results)
+    setup = f"{args.max_new_tokens} new tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
+    print(f"\nmodel: {args.model} ({model.config.model_type}, {args.dtype}); prompts: {args.prompts}; {setup}")
+    print(table)
+    for note in notes:
+        print(note)
+    if outputs["json"]:
+        outputs["json"].write_text(json.dumps([r.as_dict() for r in results], indent=2))
+    if outputs["markdown"]:
+        outputs["markdown"].write_text(table)
+    if outputs["plot"]:
+        bench.plot(results, outputs["plot"])
+    return 0
 
 
 if __name__ == "__main__":

@@ -238,3 +238,20 @@ def test_real_model_speculative_greedy_identical(default_model, strategy):
             hf_accel.unpatch_model(model)
     assert torch.equal(got.sequences, expected)
     assert got.speculative["tokens_per_forward"] > 1.3  # the copying row is mostly verified in chunks
+
+
+def test_composite_uses_the_first_strategy_with_a_proposal():
+    from hf_accel.speculative import Composite
+
+    plain, patched = _pair("llama")
+    ids, mask = _repetitive_batch(3, seed=2)
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    strategy = Composite(PromptLookup(num_tokens=4), DraftModel(tiny_model("llama", seed=5), num_tokens=3))
+    out = patched.generate(
+        input_ids=ids, attention_mask=mask, speculative=strategy, return_dict_in_generate=True, **kwargs
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative["strategy"] == "prompt_lookup+draft"
+    with pytest.raises(IncompatibleOptionsError, match="Composite takes two or more Strategy instances"):
+        Composite(PromptLookup())

@@ -1,11 +1,12 @@
 """Speculative generation: strategies, verification rules, the decoding loop and its generate keywords."""
 
 from .draft import DraftModel, SelfSpeculative
-from .strategies import AdaptiveK, PromptLookup, Proposal, Strategy
+from .strategies import AdaptiveK, Composite, PromptLookup, Proposal, Strategy
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = [
     "AdaptiveK",
+    "Composite",
     "DraftModel",
     "PromptLookup",
     "Proposal",

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import IncompatibleOptionsError
 
-__all__ = ["AdaptiveK", "PromptLookup", "Proposal", "Strategy"]
+__all__ = ["AdaptiveK", "Composite", "PromptLookup", "Proposal", "Strategy"]
 
 
 @dataclass(frozen=True)
@@ -227,3 +227,62 @@ class PromptLookup(Strategy):
             f"PromptLookup(num_tokens={self.k.num_tokens}, max_ngram={self.max_ngram}, "
             f"min_ngram={self.min_ngram}, adaptive={self.k.adaptive})"
         )
+
+
+class Composite(Strategy):
+    """Several strategies in order of preference: per row, the first non-empty proposal is used.
+
+    Typical use: ``Composite(PromptLookup(), SelfSpeculative("int8"))`` copies from the prompt where it can
+    and drafts with the cheap copy elsewhere. A later strategy is only asked for the rows the earlier ones
+    left empty; each strategy learns only from the proposals of its own that were verified.
+
+    Args:
+        *strategies: two or more strategies.
+    """
+
+    name = "composite"
+
+    def __init__(self, *strategies: Strategy) -> None:
+        if len(strategies) < 2 or not all(isinstance(s, Strategy) for s in strategies):
+            raise IncompatibleOptionsError("Composite takes two or more Strategy instances")
+        super().__init__(max(s.k.max_tokens for s in strategies), adaptive=False)
+        self.strategies = list(strategies)
+        self.name = "+".join(s.name for s in strategies)
+        self._used: list[int | None] = []
+
+    def start(self, target, batch, sampling, processors=()) -> None:  # type: ignore[no-untyped-def]
+        super().start(target, batch, sampling, processors)
+        for s in self.strategies:
+            s.start(target, batch, sampling, processors)
+
+    def finish(self) -> None:
+        for s in self.strategies:
+            s.finish()
+
+    def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
+        chosen: list[Proposal | None] = [None] * len(sequences)
+        self._used = [None] * len(sequences)
+        for index, strategy in enumerate(self.strategies):
+            own = strategy.k.budgets()
+            sub = [min(b, o) if chosen[i] is None else 0 for i, (b, o) in enumerate(zip(budgets, own, strict=True))]
+            proposals = strategy.propose(sequences, sub)  # all-zero budgets: empty proposals, nothing fed
+            for i, p in enumerate(proposals):
+                if chosen[i] is None and p.tokens.shape[0] > 0:
+                    chosen[i], self._used[i] = p, index
+        return [p if p is not None else Proposal.empty() for p in chosen]
+
+    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        for index, strategy in enumerate(self.strategies):
+            mine = [u == index for u in self._used]
+            strategy.observe(
+                [p if m else 0 for p, m in zip(proposed, mine, strict=True)],
+                [a if m else 0 for a, m in zip(accepted, mine, strict=True)],
+            )
+
+    def select(self, keep: Sequence[int]) -> None:
+        super().select(keep)
+        for s in self.strategies:
+            s.select(keep)
+
+    def __repr__(self) -> str:
+        return f"Composite({', '.join(map(repr, self.strategies))})"
