@@ -89,3 +89,16 @@ def test_bad_strategy_options():
         PromptLookup(max_ngram=2, min_ngram=3)
     with pytest.raises(IncompatibleOptionsError, match="max_tokens must be an int >= 5, got 3"):
         AdaptiveK(num_tokens=5, max_tokens=3)
+
+
+def test_governor_pauses_speculation_that_does_not_pay_and_probes_again():
+    from hf_accel.speculative.loop import Governor
+
+    g = Governor(margin=0.95, pause_steps=3, alpha=1.0)
+    assert g.allow()  # first step: speculate
+    g.record(True, tokens=3, seconds=0.3)  # 10 tok/s speculative; the plain rate is not known yet
+    assert not g.allow()  # so the next step is a plain one, to measure it
+    g.record(False, tokens=1, seconds=0.05)  # 20 tok/s plain: speculation loses
+    assert [g.allow() for _ in range(4)] == [False, False, False, True] and g.pauses == 1
+    g.record(True, tokens=6, seconds=0.2)  # 30 tok/s: now it pays, speculation goes on
+    assert g.allow() and g.allow() and g.pauses == 1

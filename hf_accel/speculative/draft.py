@@ -42,7 +42,7 @@ class DraftModel(Strategy):
     Args:
         draft: the draft model (same vocabulary, same device as the target).
         num_tokens: initial draft tokens per step.
-        adaptive / max_tokens: see :class:`~.strategies.Strategy`.
+        adaptive / max_tokens / fallback: see :class:`~.strategies.Strategy`.
 
     Raises:
         IncompatibleOptionsError: (at the call) a different vocabulary size or another device.
@@ -50,8 +50,15 @@ class DraftModel(Strategy):
 
     name = "draft"
 
-    def __init__(self, draft: nn.Module, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None):
-        super().__init__(num_tokens, adaptive, max_tokens)
+    def __init__(
+        self,
+        draft: nn.Module,
+        num_tokens: int = 5,
+        adaptive: bool = True,
+        max_tokens: int | None = None,
+        fallback: bool = True,
+    ) -> None:
+        super().__init__(num_tokens, adaptive, max_tokens, fallback)
         if not isinstance(draft, nn.Module) or not hasattr(draft, "config"):
             raise IncompatibleOptionsError(f"draft_model must be a Transformers causal LM, got {type(draft).__name__}")
         self.draft = draft
@@ -200,7 +207,7 @@ class SelfSpeculative(DraftModel):
 
     Args:
         weights: ``"int8"`` (hf_accel's weight-only int8 kernel) or a ``torch.dtype`` such as ``torch.bfloat16``.
-        num_tokens / adaptive / max_tokens: see :class:`~.strategies.Strategy`.
+        num_tokens / adaptive / max_tokens / fallback: see :class:`~.strategies.Strategy`.
     """
 
     name = "self"
@@ -211,8 +218,9 @@ class SelfSpeculative(DraftModel):
         num_tokens: int = 4,
         adaptive: bool = True,
         max_tokens: int | None = None,
+        fallback: bool = True,
     ) -> None:
-        Strategy.__init__(self, num_tokens, adaptive, max_tokens)
+        Strategy.__init__(self, num_tokens, adaptive, max_tokens, fallback)
         if weights != "int8" and not isinstance(weights, torch.dtype):
             raise IncompatibleOptionsError(f"SelfSpeculative.weights must be 'int8' or a torch.dtype, got {weights!r}")
         self.weights = weights

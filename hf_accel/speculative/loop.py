@@ -31,7 +31,7 @@ from .ragged import RaggedCache
 from .strategies import Proposal, Strategy
 from .verify import Verdict, verify_greedy, verify_sampling
 
-__all__ = ["SpeculativeStats", "make_custom_generate"]
+__all__ = ["Governor", "SpeculativeStats", "make_custom_generate"]
 
 logger = logging.getLogger("hf_accel.speculative")
 
@@ -46,6 +46,7 @@ class SpeculativeStats:
         target_forwards: forward passes of the target, prefill included.
         tokens: tokens generated, all rows together.
         row_forwards: rows taking part in each target forward, summed (a finished row stops counting).
+        fallback_pauses: times the :class:`Governor` paused speculation because it did not pay.
         draft_s / verify_s: seconds spent proposing, and in target forwards plus verification.
     """
 
@@ -55,6 +56,7 @@ class SpeculativeStats:
     target_forwards: int = 0
     tokens: int = 0
     row_forwards: int = 0
+    fallback_pauses: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -71,6 +73,51 @@ class SpeculativeStats:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward)
         return out
+
+
+class Governor:
+    """Keeps speculation on only while it pays, for the whole batch.
+
+    Speculative steps and plain steps (no proposal) are timed; each kind keeps an exponential moving average
+    of tokens per second. A plain step is measured as soon as a speculative one has been; whenever the
+    speculative rate falls below ``margin`` times the plain rate, speculation pauses for ``pause_steps`` steps
+    and is then measured afresh. A strategy that does not pay on this model, prompt and batch therefore costs
+    at most one slow step in ``pause_steps + 1``.
+
+    Args:
+        margin: the speculative rate must stay above ``margin * plain``.
+        pause_steps: plain steps taken after a losing measurement.
+        alpha: weight of the newest sample in the moving averages.
+    """
+
+    def __init__(self, margin: float = 0.95, pause_steps: int = 16, alpha: float = 0.3) -> None:
+        self.margin, self.pause_steps, self.alpha = margin, pause_steps, alpha
+        self.plain: float | None = None
+        self.spec: float | None = None
+        self.pause = 0
+        self.probe_plain = False
+        self.pauses = 0
+
+    def allow(self) -> bool:
+        """Whether this step may speculate."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        if self.probe_plain:
+            self.probe_plain = False
+            return False
+        return True
+
+    def record(self, speculative: bool, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        if speculative:
+            self.spec = rate if self.spec is None else (1 - self.alpha) * self.spec + self.alpha * rate
+            self.probe_plain = self.plain is None
+        else:
+            self.plain = rate if self.plain is None else (1 - self.alpha) * self.plain + self.alpha * rate
+        if self.spec is not None and self.plain is not None and self.spec < self.margin * self.plain:
+            self.pause, self.spec = self.pause_steps, None
+            self.pauses += 1
 
 
 class _Rows:
@@ -174,6 +221,7 @@ class _Loop:
         self.stopping = stopping
         self.sampling = bool(config.do_sample)
         self.stats = SpeculativeStats(strategy.name)
+        self.governor = Governor() if getattr(strategy, "fallback", True) else None
         self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
 
@@ -277,7 +325,8 @@ class _Loop:
     def _step(self, ragged: RaggedCache, active: list[int]) -> list[int]:
         rows = self.rows
         t0 = time.perf_counter()
-        budgets = self._budgets(active)
+        allowed = self.governor is None or self.governor.allow()
+        budgets = self._budgets(active) if allowed else [0] * len(active)
         proposals = (
             self.strategy.propose([rows.sequence(r) for r in active], budgets)
             if any(budgets)
@@ -300,16 +349,19 @@ class _Loop:
         self.stats.row_forwards += len(active)
         verdicts = self._verify(active, proposals, lens, logits)
         self.stats.verify_s += time.perf_counter() - t1
-        drop, accepted = [], []
+        drop, accepted, emitted = [], [], 0
         for i, (row, v, n) in enumerate(zip(active, verdicts, lens, strict=True)):
             self.stats.proposed += n
             self.stats.accepted += v.accepted
             accepted.append(v.accepted)
-            self._emit(row, v.tokens, self._scores[i][: len(v.tokens)])
+            emitted += self._emit(row, v.tokens, self._scores[i][: len(v.tokens)])
             drop.append(n - v.accepted)
             self.last[i] = v.tokens[-1]
         ragged.rollback(drop)
         self.strategy.observe(lens, accepted)
+        if self.governor is not None:
+            self.governor.record(width > 1, emitted, time.perf_counter() - t0)
+            self.stats.fallback_pauses = self.governor.pauses
         keep = [i for i, row in enumerate(active) if not rows.done[row]]
         if len(keep) < len(active):
             self._select(ragged, keep, active)

@@ -122,13 +122,18 @@ class Strategy:
         num_tokens: initial draft tokens per step.
         adaptive: adapt ``k`` per row from acceptance (:class:`AdaptiveK`).
         max_tokens: upper bound of the adaptive ``k``.
+        fallback: let the loop pause speculation for the whole batch while it measures slower than plain
+            decoding (:class:`~hf_accel.speculative.loop.Governor`).
     """
 
     #: short name used in stats and logs
     name = "strategy"
 
-    def __init__(self, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None) -> None:
+    def __init__(
+        self, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None, fallback: bool = True
+    ) -> None:
         self.k = AdaptiveK(num_tokens, max_tokens, adaptive)
+        self.fallback = fallback
 
     # -- per call -----------------------------------------------------------------------------------
     def start(
@@ -187,7 +192,7 @@ class PromptLookup(Strategy):
         num_tokens: draft tokens per step (default 10).
         max_ngram: longest n-gram matched.
         min_ngram: shortest n-gram matched.
-        adaptive / max_tokens: see :class:`Strategy`.
+        adaptive / max_tokens / fallback: see :class:`Strategy`.
     """
 
     name = "prompt_lookup"
@@ -199,8 +204,9 @@ class PromptLookup(Strategy):
         min_ngram: int = 2,
         adaptive: bool = False,
         max_tokens: int | None = None,
+        fallback: bool = True,
     ) -> None:
-        super().__init__(num_tokens, adaptive, max_tokens)
+        super().__init__(num_tokens, adaptive, max_tokens, fallback)
         _check_k("max_ngram", max_ngram, 1)
         _check_k("min_ngram", min_ngram, 1)
         if min_ngram > max_ngram:
@@ -238,14 +244,15 @@ class Composite(Strategy):
 
     Args:
         *strategies: two or more strategies.
+        fallback: see :class:`Strategy`.
     """
 
     name = "composite"
 
-    def __init__(self, *strategies: Strategy) -> None:
+    def __init__(self, *strategies: Strategy, fallback: bool = True) -> None:
         if len(strategies) < 2 or not all(isinstance(s, Strategy) for s in strategies):
             raise IncompatibleOptionsError("Composite takes two or more Strategy instances")
-        super().__init__(max(s.k.max_tokens for s in strategies), adaptive=False)
+        super().__init__(max(s.k.max_tokens for s in strategies), adaptive=False, fallback=fallback)
         self.strategies = list(strategies)
         self.name = "+".join(s.name for s in strategies)
         self._used: list[int | None] = []
