@@ -15,18 +15,10 @@ import copy
 import torch
 
 import hf_accel
+from hf_accel.bench import CHAT_PROMPTS
 from hf_accel.quant import Int8Linear
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a refrigerator works.",
-    "List five facts about the Moon.",
-    "What are the benefits of regular exercise?",
-    "Describe the water cycle.",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Summarise the plot of Romeo and Juliet.",
-]
+PROMPTS = CHAT_PROMPTS
 
 
 def decode_rate(model, inputs, new_tokens: int) -> tuple[float, torch.Tensor]:

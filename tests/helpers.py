@@ -75,3 +75,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
             f"worst at {idx}: actual={a[idx].item():.8g} expected={e[idx].item():.8g} "
             f"abs err={err[idx].item():.3g}; max abs err overall={err.max().item():.3g}"
         )
+
+
+def chat_batch(tokenizer, prompts: list[str]):
+    """Chat-formatted, left-padded ``input_ids`` / ``attention_mask`` of user ``prompts`` (real-model tests)."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in prompts
+    ]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True)

@@ -25,3 +25,28 @@ def test_paged_generation_example(default_model, monkeypatch, capsys):
     # the second batch reuses the shared system prompt's full blocks (it is > 64 tokens long)
     reused = int(out.split("[batch of 2: ")[1].split(" s, ")[1].split(" prompt tokens")[0])
     assert reused >= 2 * 64
+
+
+def _run(name: str, argv: list[str], monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+
+
+def test_speculative_example(default_model, monkeypatch, capsys):
+    _run("speculative_generation.py", ["--max-new-tokens", "12", "--num-tokens", "4"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "identical: True]" in out and "tokens per target forward]" in out
+
+
+def test_int8_example(default_model, monkeypatch, capsys, tmp_path):
+    _run("int8_quantize.py", ["--max-new-tokens", "4", "--output", str(tmp_path / "q")], monkeypatch)
+    out = capsys.readouterr().out
+    assert f"saved to {tmp_path / 'q'}; reloaded in" in out and "perplexity: float" in out
+    assert (tmp_path / "q" / "hf_accel_int8.json").is_file()
+
+
+def test_all_features_example(default_model, monkeypatch, capsys):
+    _run("all_features.py", ["--max-new-tokens", "6"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "hf_accel features: int8, fused_mlp, paged, speculative" in out
+    assert out.count("\n> ") == 3 and "[batch 3: " in out

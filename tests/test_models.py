@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, chat_batch
 
 import hf_accel
 from hf_accel import DefaultModelNotInstalledError, models
@@ -44,15 +44,6 @@ CHAT = [
 ]
 
 
-def _chat_batch(tokenizer, prompts):
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True)
-
-
 def test_real_model_loads_with_tied_embeddings(default_model):
     model, tokenizer = default_model
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
@@ -64,7 +55,7 @@ def test_real_model_loads_with_tied_embeddings(default_model):
 @pytest.mark.parametrize("prompts", [CHAT[:1], CHAT], ids=["batch1", "batch3-padded"])
 def test_real_model_patched_greedy_identical(default_model, prompts):
     model, tokenizer = default_model
-    inputs = _chat_batch(tokenizer, prompts)
+    inputs = chat_batch(tokenizer, prompts)
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.inference_mode():
         logits = model(**inputs).logits

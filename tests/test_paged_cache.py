@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, EOS, PAD, assert_close, random_batch, tiny_model
+from helpers import ARCHS, EOS, PAD, assert_close, chat_batch, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -333,12 +333,7 @@ def test_real_model_paged_greedy_identical(default_model):
         "Write a haiku about the sea, then explain it line by line.",
         "List three uses of a paperclip.",
     ]
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    tokenizer.padding_side = "left"
-    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    inputs = chat_batch(tokenizer, prompts)
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.inference_mode():
         expected = model.generate(**inputs, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS, PAD, random_batch, tiny_model
+from helpers import EOS, PAD, chat_batch, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -221,12 +221,7 @@ def test_real_model_speculative_greedy_identical(default_model, strategy):
         f"Fix the punctuation of the following passage and write it out again in full:\n\n{passage}",
         "What is the capital of France?",
     ]
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    tokenizer.padding_side = "left"
-    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    inputs = chat_batch(tokenizer, prompts)
     kwargs = dict(max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     # fallback=False: the assertion on tokens per forward must not depend on this machine's timing
     chosen = PromptLookup(fallback=False) if strategy == "prompt_lookup" else SelfSpeculative("int8", fallback=False)
@@ -257,3 +252,19 @@ def test_composite_uses_the_first_strategy_with_a_proposal():
     assert out.speculative["strategy"] == "prompt_lookup+draft"
     with pytest.raises(IncompatibleOptionsError, match="Composite takes two or more Strategy instances"):
         Composite(PromptLookup())
+
+
+def test_composite_survives_fallback_pauses_and_finishing_rows(monkeypatch):
+    """The governor may skip speculation on any step while rows finish: strategies must stay in step."""
+    from hf_accel.speculative import Composite
+    from hf_accel.speculative.loop import Governor
+
+    plain, patched = _pair("qwen2")
+    ids, mask = _repetitive_batch(3, seed=4)
+    kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    calls = iter(range(10_000))
+    monkeypatch.setattr(Governor, "allow", lambda self: next(calls) % 3 != 1)  # every third step is forced plain
+    strategy = Composite(PromptLookup(num_tokens=3), DraftModel(tiny_model("qwen2", seed=5), num_tokens=2))
+    got = patched.generate(input_ids=ids, attention_mask=mask, speculative=strategy, **kwargs)
+    assert torch.equal(got, expected)

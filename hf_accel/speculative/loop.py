@@ -327,11 +327,8 @@ class _Loop:
         t0 = time.perf_counter()
         allowed = self.governor is None or self.governor.allow()
         budgets = self._budgets(active) if allowed else [0] * len(active)
-        proposals = (
-            self.strategy.propose([rows.sequence(r) for r in active], budgets)
-            if any(budgets)
-            else [Proposal.empty() for _ in active]
-        )
+        # asked even with all-zero budgets, so stateful strategies see every step (they return empty proposals)
+        proposals = self.strategy.propose([rows.sequence(r) for r in active], budgets)
         t1 = time.perf_counter()
         self.stats.draft_s += t1 - t0
         lens = [min(int(p.tokens.shape[0]), b) for p, b in zip(proposals, budgets, strict=True)]
