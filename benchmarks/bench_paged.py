@@ -22,31 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 import hf_accel
 from hf_accel import PagedCache
+from hf_accel.metrics import StepClock
 from hf_accel.paged.attention import kernel_status, native_kernel
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")  # real English text shipped with Debian
-
-
-class StepClock(StoppingCriteria):
-    """Timestamps every decoding step (generate calls stopping criteria once per step); never stops."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.stamps.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def ttft(self) -> float:
-        return self.stamps[0] - self.start
-
-    def decode_rate(self, batch: int) -> float:
-        return batch * (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
 
 
 def english_text() -> str:
@@ -174,7 +157,9 @@ def run_decode(model, inputs, new: int, **extra) -> tuple[float, float, torch.Te
             stopping_criteria=StoppingCriteriaList([clock]),
             **extra,
         )
-    return clock.decode_rate(inputs["input_ids"].shape[0]), clock.ttft(), out
+    stamps, batch = clock.stamps, inputs["input_ids"].shape[0]
+    rate = batch * (len(stamps) - 1) / (stamps[-1] - stamps[0])  # one stamp per decoding step
+    return rate, stamps[0] - clock.start, out
 
 
 def bench_decode(model, tok, new: int, repeats: int) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .patch import PatchState
     from .recorder import Recorder
 
-__all__ = ["PLUGIN_KWARGS", "GenerateCall", "GenerateKwarg", "bind_generate"]
+__all__ = ["PLUGIN_KWARGS", "GenerateCall", "GenerateKwarg", "bind_generate", "eos_token_ids"]
 
 #: Every ``generate`` keyword hf_accel owns -> the feature that implements it.
 PLUGIN_KWARGS: dict[str, str] = {
@@ -120,14 +120,18 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def eos_token_ids(eos: Any) -> list[int]:
+    """A generation config's ``eos_token_id`` (``None``, an int or a list) as a list of ints."""
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
 def _eos_ids(model: nn.Module, kwargs: dict[str, Any]) -> set[int]:
     eos = kwargs.get("eos_token_id", "unset")
     if eos == "unset":
-        config = kwargs.get("generation_config") or model.generation_config
-        eos = config.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+        eos = (kwargs.get("generation_config") or model.generation_config).eos_token_id
+    return set(eos_token_ids(eos))
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos: set[int]) -> int:

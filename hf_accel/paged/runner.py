@@ -19,6 +19,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..errors import IncompatibleOptionsError
+from ..generate import eos_token_ids
 from .cache import PagedCache
 
 __all__ = ["PagedRowTracker", "run_paged"]
@@ -67,10 +68,7 @@ def _generation_config(model: nn.Module, kwargs: dict[str, Any]) -> GenerationCo
 
 
 def _eos_ids(cfg: GenerationConfig) -> list[int]:
-    eos = cfg.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return eos_token_ids(cfg.eos_token_id)
 
 
 def _attention_mask(ids: torch.Tensor, cfg: GenerationConfig, given: torch.Tensor | None) -> torch.Tensor:

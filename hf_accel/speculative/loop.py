@@ -17,6 +17,7 @@ min-length rules and the sampling warpers apply exactly as in plain ``generate``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -139,6 +140,7 @@ class _Rows:
         return torch.cat([self.real[row], torch.tensor(self.generated[row], dtype=torch.long)])
 
 
+@functools.cache
 def _row_independent_types() -> tuple[type, ...]:
     import transformers.generation.logits_process as lp
 
