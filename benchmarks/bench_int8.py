@@ -1,22 +1,29 @@
 #!/usr/bin/env python
-"""Decode speed of weight-only int8 vs fp32 and bf16 plain generate on the real model, same run.
+"""Decode speed of int8 backends vs fp32 and bf16 plain generate on the real model, same run.
 
-    python benchmarks/bench_int8.py [--max-new-tokens 128] [--batch 1 8]
+    python benchmarks/bench_int8.py [--max-new-tokens 128] [--batch 1 8] [--skip-slow]
 
+Variants: fp32, bf16 weights, hf_accel int8 (native backend), hf_accel int8 through bitsandbytes
+(``Int8Config(backend="bitsandbytes")``), and ``torch.ao`` dynamic qint8 (``--skip-slow`` drops bitsandbytes).
 Prints decode tokens/s (aggregate over the batch), ratios against fp32 and bf16 measured in this process,
-greedy agreement with fp32, and the bytes held by the linear layers' weights.
+greedy agreement with fp32, perplexity on a fixed English text, the bytes held by the linear layers' weights
+and the resident memory each variant added when it was built (RSS delta, MB).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import warnings
+from collections.abc import Callable
 
 import torch
 
 import hf_accel
-from hf_accel.bench import CHAT_PROMPTS
+from hf_accel.bench import CHAT_PROMPTS, perplexity
 from hf_accel.quant import Int8Linear
+from hf_accel.quant.bnb import is_bnb_linear
 
 PROMPTS = CHAT_PROMPTS
 
@@ -48,25 +55,67 @@ def linear_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.quantized.nbytes()
+        elif is_bnb_linear(m):
+            total += m.weight.numel() + m.out_features * 4  # int8 values + fp32 row scales
         elif type(m) is torch.nn.Linear:
             total += m.weight.numel() * m.weight.element_size()
     return total
+
+
+def rss_bytes() -> int:
+    """Current resident set of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+    except OSError:
+        return 0
+
+
+def build(make: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, float]:
+    """Build a variant and measure the resident memory it added (MB)."""
+    gc.collect()
+    before = rss_bytes()
+    model = make()
+    gc.collect()
+    return model, (rss_bytes() - before) / 1e6
+
+
+def torch_ao_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.ao`` dynamic int8 (weights and activations) of every ``nn.Linear``: the stock PyTorch route."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated in favour of torchao
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--skip-slow", action="store_true", help="leave out bitsandbytes (0.5x fp32 on CPU)")
     args = parser.parse_args()
     model, tok = hf_accel.load_default()
     tok.padding_side = "left"
-    variants = {
-        "fp32": model,
-        "bf16": copy.deepcopy(model).to(torch.bfloat16),
-        "int8 (hf_accel)": hf_accel.patch_model(copy.deepcopy(model), int8=True, fused_mlp=False),
+    plain = dict(fused_mlp=False, paged=False, speculative=False)
+    makers = {
+        "fp32": lambda: copy.deepcopy(model),
+        "bf16": lambda: copy.deepcopy(model).to(torch.bfloat16),
+        "int8 hf_accel native": lambda: hf_accel.patch_model(copy.deepcopy(model), int8=True, **plain),
+        "int8 hf_accel bitsandbytes": lambda: hf_accel.patch_model(
+            copy.deepcopy(model), int8=hf_accel.Int8Config(backend="bitsandbytes"), **plain
+        ),
+        "torch.ao dynamic qint8": lambda: torch_ao_dynamic(copy.deepcopy(model)),
     }
-    print("| batch | variant | decode tok/s | vs fp32 | vs bf16 | greedy = fp32 | linear weights MB |")
-    print("|---|---|---|---|---|---|---|")
+    if args.skip_slow:
+        del makers["int8 hf_accel bitsandbytes"]
+    variants, rss = {}, {}
+    for name, make in makers.items():
+        variants[name], rss[name] = build(make)
+    ppl = {name: perplexity(m, tok) for name, m in variants.items()}
+    print(
+        "| batch | variant | decode tok/s | vs fp32 | vs bf16 | greedy = fp32 | perplexity | linear weights MB "
+        "| RSS added MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
         texts = [
             tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
@@ -81,7 +130,8 @@ def main() -> None:
             same = (outs[name][:, n:] == outs["fp32"][:, n:]).float().mean().item()
             print(
                 f"| {batch} | {name} | {rates[name]:.1f} | {rates[name] / rates['fp32']:.2f}x | "
-                f"{rates[name] / rates['bf16']:.2f}x | {same:.0%} of tokens | {linear_bytes(m) / 1e6:.0f} |"
+                f"{rates[name] / rates['bf16']:.2f}x | {same:.0%} of tokens | {ppl[name]:.3f} | "
+                f"{linear_bytes(m) / 1e6:.0f} | {rss[name]:.0f} |"
             )
 
 

@@ -69,7 +69,14 @@ def _self_spec() -> dict[str, Any]:
 
 
 def _no_bnb() -> str | None:
-    return "the bitsandbytes backend is not implemented in this version of hf_accel"
+    from .errors import FeatureNotAvailableError
+    from .quant.bnb import bnb_module
+
+    try:
+        bnb_module()
+    except FeatureNotAvailableError as exc:
+        return str(exc)
+    return None
 
 
 def _no_compile() -> str | None:
@@ -84,7 +91,12 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}),
         Technique("compile", {**_PLAIN, "compile": True}, unavailable=_no_compile),
         Technique("int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False),
-        Technique("bnb", {**_PLAIN, "int8": Int8Config(backend="bitsandbytes")}, lossless=False, unavailable=_no_bnb),
+        Technique(
+            "bnb",
+            {**_PLAIN, "int8": Int8Config(backend="bitsandbytes", keep_original=True)},
+            lossless=False,
+            unavailable=_no_bnb,
+        ),
         Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}),
         Technique("draft", {**_PLAIN, "speculative": True}),  # needs --draft-model
         Technique("self-spec", {**_PLAIN, "speculative": True}, {"self_spec": True}),

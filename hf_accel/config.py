@@ -152,11 +152,13 @@ class Int8Config:
     """Weight-only int8 options (lossy: never enabled by default).
 
     Args:
-        backend: ``"auto"``, ``"native"`` (hf_accel kernels) or ``"bitsandbytes"``.
+        backend: ``"auto"`` (native on CPU, bitsandbytes on CUDA when installed), ``"native"`` (hf_accel
+            kernels) or ``"bitsandbytes"`` (``Linear8bitLt``; needs ``pip install "hf_accel[bnb]"``).
         group_size: quantize per group of this many input features; ``None`` = one scale per output row.
         skip_modules: glob patterns of module names left in float.
         keep_original: keep the float weights so ``unpatch_model`` restores them exactly.
-        threshold: outlier threshold of the bitsandbytes backend (LLM.int8()).
+        threshold: outlier threshold of the bitsandbytes backend (LLM.int8(): input features with larger
+            magnitudes stay in float); 0 turns the decomposition off.
     """
 
     backend: str = "auto"
@@ -176,6 +178,9 @@ class Int8Config:
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
             _fail(type(self), "threshold", "must be a number >= 0", self.threshold)
+        if self.backend == "bitsandbytes" and self.group_size is not None:
+            rule = "must be None with backend='bitsandbytes' (row scales only)"
+            _fail(type(self), "group_size", rule, self.group_size)
 
 
 #: feature name -> config class; the order is the order in which features are applied.

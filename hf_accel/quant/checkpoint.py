@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import Int8Config
 from ..errors import IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
+from .bnb import is_bnb_linear
 from .linear import Int8Linear
 
 __all__ = ["load_quantized", "save_quantized"]
@@ -50,6 +51,11 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
 
     state = _get_state(model)
     cfg = getattr(state.config, "int8", None) if state is not None else None
+    if cfg is not None and any(is_bnb_linear(m) for m in model.modules()):
+        raise IncompatibleOptionsError(
+            "save_quantized writes the native backend's format; this model holds bitsandbytes layers. "
+            "Patch with Int8Config(backend='native') to save, or re-convert with bitsandbytes after loading"
+        )
     if cfg is None or not any(isinstance(m, Int8Linear) for m in model.modules()):
         raise NotPatchedError(
             "save_quantized needs a model patched with int8: hf_accel.patch_model(model, int8=True) first"
