@@ -79,17 +79,13 @@ def _no_bnb() -> str | None:
     return None
 
 
-def _no_compile() -> str | None:
-    return "compile= is not implemented in this version of hf_accel"
-
-
 TECHNIQUES: dict[str, Technique] = {
     t.name: t
     for t in (
         Technique("baseline", dict(_PLAIN)),
         Technique("fused", {**_PLAIN, "fused_mlp": True}),
         Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}),
-        Technique("compile", {**_PLAIN, "compile": True}, unavailable=_no_compile),
+        Technique("compile", {**_PLAIN, "fused_mlp": True, "compile": True}),
         Technique("int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False),
         Technique(
             "bnb",
@@ -236,7 +232,7 @@ def run_bench(
     total = len(techniques) * len(batches) * (repeats + 1)
     bar = tqdm(total=total, desc="hf-accel bench", disable=not progress, unit="run")
     for tech in techniques:
-        bar.set_postfix_str(tech.name)
+        bar.set_postfix_str(f"{tech.name} (warm-up{' + compile' if tech.patch.get('compile') else ''})")
         patch_model(model, **tech.patch)
         try:
             gen_kwargs = dict(tech.generate)
@@ -252,8 +248,9 @@ def run_bench(
                     max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **gen_kwargs
                 )
                 with torch.inference_mode():
-                    model.generate(**batch_inputs, **{**kwargs, "max_new_tokens": 4})  # warm-up
+                    model.generate(**batch_inputs, **{**kwargs, "max_new_tokens": 4})  # warm-up (compiles)
                     bar.update()
+                    bar.set_postfix_str(f"{tech.name} batch {batch}")
                     samples, out = [], None
                     for _ in range(repeats):
                         out = model.generate(**batch_inputs, **kwargs).sequences

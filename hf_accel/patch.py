@@ -18,6 +18,7 @@ from torch import nn
 from .config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
 from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .fused.apply import apply_fused_mlp
+from .fused.compile import apply_compile, bind_compile
 from .generate import GenerateCall, GenerateKwarg, bind_generate
 from .paged.apply import apply_paged, bind_paged
 from .quant.apply import apply_int8
@@ -47,7 +48,7 @@ FEATURES: dict[str, _Feature] = {
     "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
     "paged": _Feature(apply_paged, lossless=True, bind=bind_paged),
     "speculative": _Feature(apply_speculative, lossless=True, bind=bind_speculative),
-    "compile": _Feature(None, lossless=True),
+    "compile": _Feature(apply_compile, lossless=True, bind=bind_compile),
 }
 
 

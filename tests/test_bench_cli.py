@@ -52,7 +52,7 @@ def test_bench_all_skips_what_cannot_run_and_says_why(tiny_folder, capsys):
     argv = ["bench", "--model", str(tiny_folder), "--techniques", "all", "--batch", "1", "--max-new-tokens", "2"]
     assert main([*argv, "--repeats", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "compile: skipped (compile= is not implemented in this version of hf_accel)" in out
+    assert "compile: skipped" not in out and "| compile | 1 |" in out  # runs (tiny graphs compile quickly)
     assert "draft: skipped (needs --draft-model PATH)" in out
 
 

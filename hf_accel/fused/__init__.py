@@ -1,5 +1,6 @@
 """Fused gated MLPs."""
 
 from .mlp import FusedGatedMLP
+from .packed import PackedLinear
 
-__all__ = ["FusedGatedMLP"]
+__all__ = ["FusedGatedMLP", "PackedLinear"]

@@ -30,7 +30,9 @@ def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedM
     if bias is not None:
         recorder.set_param_data(FEATURE, gate.bias, bias.data[:rows], "gate_proj bias shared")
         recorder.set_param_data(FEATURE, up.bias, bias.data[rows:], "up_proj bias shared")
-    return FusedGatedMLP(weight, bias, down, act)
+    fused = FusedGatedMLP(weight, bias, down, act)
+    fused.weight_aliases = [(gate.weight, 0, rows), (up.weight, rows, 2 * rows)]
+    return fused
 
 
 def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig, recorder: Recorder) -> None:

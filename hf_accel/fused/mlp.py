@@ -8,7 +8,6 @@ single tensor whose two halves *are* the original ``gate_proj``/``up_proj`` para
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FusedGatedMLP"]
@@ -38,10 +37,18 @@ class FusedGatedMLP(nn.Module):
         if gate_up_weight.dim() != 2 or gate_up_weight.shape[0] % 2:
             raise ValueError(f"gate_up_weight must be [2*I, H], got {tuple(gate_up_weight.shape)}")
         self.intermediate_size = gate_up_weight.shape[0] // 2
-        self.gate_up_weight = gate_up_weight
-        self.gate_up_bias = gate_up_bias
+        # an nn.Linear around the shared fused parameters, so weight packing treats it like any projection
+        rows, cols = gate_up_weight.shape
+        self.gate_up_proj = nn.Linear(cols, rows, bias=gate_up_bias is not None, device="meta")
+        self.gate_up_proj.weight = gate_up_weight
+        if gate_up_bias is not None:
+            self.gate_up_proj.bias = gate_up_bias
         self.down_proj = down_proj
         self.act_fn = act_fn
+        self._compiled: object | None = None  # set by the compile feature: a torch.compile'd ``_mlp``
+        #: original parameters that are views of rows ``[start, stop)`` of the fused weight (set by the adapter),
+        #: so code that re-lays the fused weight out can re-point them too.
+        self.weight_aliases: list[tuple[nn.Parameter, int, int]] = []
 
     @classmethod
     def fuse_weights(cls, gate: nn.Linear, up: nn.Linear) -> tuple[nn.Parameter, nn.Parameter | None]:
@@ -56,12 +63,34 @@ class FusedGatedMLP(nn.Module):
             bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)
         return weight, bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def gate_up_weight(self) -> torch.Tensor:
+        """The fused ``[2I, H]`` weight (dense, whatever layout the projection keeps it in)."""
+        proj = self.gate_up_proj
+        return proj.weight if isinstance(proj, nn.Linear) else proj.dense_weight()
+
+    @property
+    def gate_up_bias(self) -> torch.Tensor | None:
+        return self.gate_up_proj.bias
+
+    def set_compiled(self, fn: object | None) -> None:
+        """Route decode steps (``[B, 1, H]`` inputs) through ``fn``; ``None`` removes it.
+
+        Prefill and multi-token chunks (speculative verification) stay eager, so prompt lengths and draft
+        lengths never trigger recompilation: one graph per batch size.
+        """
+        self._compiled = fn
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., H] -> gate_up: [..., 2I]
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [..., I]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [..., I]
         return self.down_proj(self.act_fn(gate) * up)  # [..., H]
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._compiled is not None and x.dim() == 3 and x.shape[1] == 1:
+            return self._compiled(x)  # decode: [B, 1, H], compiled once per batch size
+        return self._mlp(x)
+
     def extra_repr(self) -> str:
-        hidden = self.gate_up_weight.shape[1]
-        return f"hidden={hidden}, intermediate={self.intermediate_size}, bias={self.gate_up_bias is not None}"
+        hidden = self.gate_up_proj.in_features
+        return f"hidden={hidden}, intermediate={self.intermediate_size}, compiled={self._compiled is not None}"

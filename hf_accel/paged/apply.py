@@ -46,6 +46,24 @@ def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder:
     recorder.call("paged", f"attention {base} -> {name}", switch, restore)
 
 
+def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
+    """Run ``proceed()`` with the model's original attention implementation.
+
+    Transformers pre-builds 4D masks for compileable caches (``StaticCache``) while preparing generation
+    inputs; through the paged mask function they would come out as ``PagedMask`` objects, which its mask code
+    does not accept. Non-paged calls therefore use the base implementation for their whole duration.
+    """
+    config = model.config
+    name = config._attn_implementation
+    if not (isinstance(name, str) and name.startswith(PAGED_ATTENTION_PREFIX)):
+        return proceed()
+    config._attn_implementation = name.split(":", 1)[1]
+    try:
+        return proceed()
+    finally:
+        config._attn_implementation = name
+
+
 def _cache_for(model: nn.Module, state: PatchState, cfg: PagedConfig) -> PagedCache:
     """The model's own PagedCache for ``cfg`` (kept across calls so the pool and prefix table are reused)."""
     kept = state.extras.get(_CACHE_KEY)
@@ -90,6 +108,8 @@ def bind_paged(model: nn.Module, state: PatchState, cfg: PagedConfig) -> None:
         cache = call.kwargs.get("cache")
         if isinstance(cache, PagedCache):
             call.around.append(lambda proceed: run_paged(model, cache, call, proceed))
+        else:  # another cache: the call runs on the base attention, exactly as unpatched
+            call.around.append(lambda proceed: _with_base_attention(model, proceed))
 
     state.generate_kwargs["paged"] = GenerateKwarg("paged", "paged", apply_kwarg)
     state.call_hooks.append(hook)

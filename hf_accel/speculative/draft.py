@@ -250,6 +250,9 @@ class SelfSpeculative(DraftModel):
         impl = getattr(draft.config, "_attn_implementation", None) or ""
         if impl.startswith("hf_accel_paged:"):
             draft.config._attn_implementation = impl.split(":", 1)[1]
+        from ..fused.packed import unpack_linears
+
+        unpack_linears(draft)  # pre-packed weights (compile feature) back to plain linears before re-typing
         if weights == "int8":
             _quantize_copy(draft)
         else:

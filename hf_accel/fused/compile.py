@@ -1,0 +1,196 @@
+"""The ``compile`` feature: pre-packed linear weights, compiled fused MLPs, a compiled static-cache decode step.
+
+Three independent parts (see :class:`~hf_accel.config.CompileConfig`):
+
+* ``prepack`` — every ``nn.Linear`` of the decoder layers (the fused ``gate_up_proj`` included) and the LM
+  head becomes a :class:`~.packed.PackedLinear`. The float weight is released (the packed copy holds the same
+  values) and restored bitwise by ``unpatch_model``; a tied LM head keeps its float weight for the embedding.
+* ``mlp`` — each :class:`~.mlp.FusedGatedMLP` routes decode steps (``[B, 1, H]``) through one ``torch.compile``'d
+  function shared by all layers (weights are arguments, so 30 layers are one graph, not 30 recompiles).
+* ``decode_step`` — a ``generate`` call with ``cache_implementation="static"`` gets Transformers'
+  ``compile_config`` (with CPU allowed), so Transformers compiles its decode step.
+
+Nothing is compiled at patch time: compilation happens on the first call of each shape class.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..config import CompileConfig
+from ..errors import IncompatibleOptionsError
+from ..generate import GenerateCall
+from ..recorder import Recorder
+from ..registry import ModelParts, get_attr_path, parent_and_name
+from .mlp import FusedGatedMLP
+from .packed import PackedLinear, define_compiled_op, packing_unavailable
+
+if TYPE_CHECKING:
+    from ..patch import PatchState
+
+__all__ = ["apply_compile", "bind_compile"]
+
+logger = logging.getLogger(__name__)
+FEATURE = "compile"
+
+
+def _linear_targets(model: nn.Module, parts: ModelParts) -> list[tuple[str, nn.Linear]]:
+    prefix = f"{parts.spec.layers}."
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and (name.startswith(prefix) or name == parts.spec.lm_head)
+    ]
+
+
+def _release(recorder: Recorder, weight: nn.Parameter, packed: PackedLinear, aliases: list[Any]) -> None:
+    """Free the float weight (and the original parameters viewing it); unpatch re-creates them from ``packed``."""
+    dtype, device = weight.dtype, weight.device
+    params = [weight, *(alias for alias, _, _ in aliases)]
+
+    def free() -> None:
+        for param in params:
+            param.data = torch.empty(0, dtype=dtype, device=device)
+
+    def restore() -> None:
+        dense = packed.dense_weight()  # bitwise the packed values
+        weight.data = dense
+        for alias, start, stop in aliases:
+            alias.data = dense[start:stop]
+
+    recorder.call(FEATURE, "float weight released (the packed copy holds it)", free, restore)
+
+
+def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
+    targets = _linear_targets(model, parts)
+    why = packing_unavailable(targets[0][1].weight) if targets else "no nn.Linear to pack"
+    if why is not None:
+        recorder.note(FEATURE, f"linears not packed: {why}")
+        logger.info("hf_accel: compile: linear weights not packed (%s)", why)
+        return
+    embedding = model.get_input_embeddings().weight
+    aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
+    for name, linear in targets:
+        packed = PackedLinear.from_module(linear)
+        parent, attr = parent_and_name(model, name)
+        recorder.set_submodule(FEATURE, parent, attr, packed, "Linear -> PackedLinear")
+        if linear.weight is embedding:
+            recorder.note(FEATURE, "tied lm_head packed (its float weight stays for the embedding)")
+            continue
+        _release(recorder, linear.weight, packed, aliases.get(id(linear.weight), []))
+
+
+def _projection_args(proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    if isinstance(proj, PackedLinear):
+        return proj.packed, proj.bias, True
+    if type(proj) is nn.Linear:
+        return proj.weight, proj.bias, False
+    raise IncompatibleOptionsError(f"compiled MLPs need nn.Linear or PackedLinear projections, got {type(proj)}")
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool, n: int) -> torch.Tensor:
+    if packed:
+        return torch.ops.hf_accel.packed_linear(x, weight, bias, n)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _make_mlp_fn(act: nn.Module) -> Callable[..., torch.Tensor]:
+    """One function for every layer's MLP: weights come in as arguments so all layers share one graph."""
+
+    def fused_mlp(x, gu_w, gu_b, gu_packed, down_w, down_b, down_packed, intermediate, hidden):
+        # x: [..., H] -> gate_up: [..., 2I]
+        gate_up = _project(x, gu_w, gu_b, gu_packed, 2 * intermediate)
+        gate, up = gate_up.split(intermediate, dim=-1)  # each [..., I]
+        return _project(act(gate) * up, down_w, down_b, down_packed, hidden)  # [..., H]
+
+    return fused_mlp
+
+
+class _CompiledMLP:
+    """Calls the shared compiled function with one layer's weights."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], mlp: FusedGatedMLP) -> None:
+        self.fn, self.mlp = fn, mlp
+
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        return None  # a deep copy of a model runs its MLPs eagerly (compiled functions are not copied)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
+        gu = _projection_args(mlp.gate_up_proj)
+        down = _projection_args(mlp.down_proj)
+        return self.fn(x, *gu, *down, mlp.intermediate_size, mlp.down_proj.out_features)
+
+
+def _same_activation(mlps: list[FusedGatedMLP]) -> nn.Module | None:
+    first = mlps[0].act_fn
+    for mlp in mlps[1:]:
+        act = mlp.act_fn
+        if type(act) is not type(first) or {k: v for k, v in vars(act).items() if not k.startswith("_")} != {
+            k: v for k, v in vars(first).items() if not k.startswith("_")
+        }:
+            return None
+    return first
+
+
+def _compile_mlps(parts: ModelParts, config: CompileConfig, recorder: Recorder) -> None:
+    mlps = [m for m in (get_attr_path(layer.layer, parts.spec.mlp) for layer in parts) if isinstance(m, FusedGatedMLP)]
+    if not mlps:
+        recorder.note(FEATURE, "MLPs not compiled (not fused: turn on fused_mlp)")
+        return
+    act = _same_activation(mlps)
+    if act is None:
+        recorder.note(FEATURE, "MLPs not compiled (layers use different activations)")
+        return
+    fn = torch.compile(_make_mlp_fn(act), **config.compile_kwargs())
+    for mlp in mlps:
+        recorder.call(
+            FEATURE, "fused MLP compiled (decode shapes)", lambda m=mlp: m.set_compiled(_CompiledMLP(fn, m)),
+            lambda m=mlp: m.set_compiled(None),
+        )  # fmt: skip
+
+
+def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, recorder: Recorder) -> None:
+    """Pack the linears and compile the fused MLPs as ``config`` says (recorded; nothing compiles yet)."""
+    define_compiled_op()
+    if config.prepack:
+        _prepack(model, parts, recorder)
+    compile_mlps = config.mlp
+    if compile_mlps is None:
+        compile_mlps = model.get_input_embeddings().weight.device.type != "cpu"
+        if not compile_mlps:
+            recorder.note(FEATURE, "MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)")
+    if compile_mlps:
+        _compile_mlps(parts, config, recorder)
+
+
+def bind_compile(model: nn.Module, state: PatchState, config: CompileConfig) -> None:
+    """With ``decode_step``, give static-cache ``generate`` calls a Transformers ``compile_config``."""
+    if not config.decode_step:
+        return
+
+    def hook(model: nn.Module, call: GenerateCall) -> None:
+        if call.kwargs.get("cache_implementation") != "static" or "compile_config" in call.kwargs:
+            return
+        given = call.kwargs.get("generation_config")
+        if given is not None and getattr(given, "compile_config", None) is not None:
+            return  # the caller chose their own compilation
+        call.kwargs["compile_config"] = _transformers_compile_config(config)
+
+    state.call_hooks.append(hook)
+
+
+def _transformers_compile_config(config: CompileConfig) -> Any:
+    from transformers import CompileConfig as HFCompileConfig
+
+    kwargs = config.compile_kwargs()
+    hf = HFCompileConfig(
+        fullgraph=kwargs["fullgraph"], dynamic=kwargs["dynamic"], backend=kwargs["backend"], mode=kwargs.get("mode")
+    )
+    hf._compile_all_devices = True  # Transformers compiles only on accelerators unless told otherwise
+    return hf

@@ -1,0 +1,149 @@
+"""``PackedLinear``: a linear layer whose weight is pre-packed in oneDNN's blocked layout (CPU).
+
+PyTorch's eager ``F.linear`` hands a plain row-major weight to MKL on every call; for the skinny products of
+decoding (one or a few activation rows) MKL streams it at 15-16 GB/s on this machine, while oneDNN with a
+weight re-ordered once for its kernels reaches 50-56 GB/s (``docs/compile.md``). This is what Inductor's
+weight "freezing" does inside a compiled graph; here it is done once per module, eagerly, so it also helps
+uncompiled code. The values are the same fp32/bf16 numbers in another order (``to_dense`` gives them back
+bitwise); results differ from ``F.linear`` only by summation order.
+
+The packed tensor has an opaque (``torch._mkldnn``) layout; Inductor cannot lower the oneDNN op on it, so
+inside ``torch.compile`` the call goes through a custom op (``hf_accel::packed_linear``) defined on first use.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+from torch import nn
+
+__all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "unpack_linears"]
+
+_OP_LOCK = threading.Lock()
+_OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registration at import time
+
+
+def packing_unavailable(weight: torch.Tensor) -> str | None:
+    """Why ``weight`` cannot be packed (``None`` when it can): CPU, fp32/bf16, a oneDNN-enabled build."""
+    if weight.device.type != "cpu":
+        return f"weights on {weight.device.type} (oneDNN packing is a CPU layout)"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {weight.dtype} (oneDNN packing takes float32 or bfloat16)"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN (mkldnn)"
+    return None
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    del out_features  # the fake implementation needs it; the real op reads it from ``packed``
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def define_compiled_op():
+    """Define ``torch.ops.hf_accel.packed_linear`` once per process (Inductor treats it as an opaque kernel).
+
+    Called by the compile feature before anything is compiled (never at import).
+    """
+    global _OP_LIBRARY
+    with _OP_LOCK:
+        if _OP_LIBRARY is None:
+            lib = torch.library.Library("hf_accel", "FRAGMENT")
+            lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+            lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+
+            def fake(x, packed, bias, out_features):  # shapes only, for tracing
+                return x.new_empty((*x.shape[:-1], out_features))
+
+            torch.library.register_fake("hf_accel::packed_linear", fake, lib=lib)
+            _OP_LIBRARY = lib
+    return torch.ops.hf_accel.packed_linear
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` held pre-packed for oneDNN (inference only, CPU).
+
+    Args:
+        packed: the weight in oneDNN's layout (from ``torch.ops.mkldnn._reorder_linear_weight``).
+        bias: ``[N]`` or ``None``.
+        in_features / out_features: ``K`` / ``N``.
+
+    Shapes:
+        input ``[..., K]`` of the weight's dtype -> output ``[..., N]``.
+    """
+
+    def __init__(self, packed: torch.Tensor, bias: nn.Parameter | None, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.packed = packed  # a plain attribute: opaque layout, not a state_dict entry
+        self.bias = bias
+        self.in_features = in_features
+        self.out_features = out_features
+
+    @classmethod
+    def from_module(cls, linear: nn.Linear, batch_hint: int = 1) -> PackedLinear:
+        """Pack ``linear``'s weight (the bias parameter is shared, not copied).
+
+        Args:
+            linear: a plain ``nn.Linear`` on CPU in float32/bfloat16.
+            batch_hint: the activation rows oneDNN tunes the layout for (decode: the batch size).
+
+        Raises:
+            TypeError: not an ``nn.Linear``.
+            ValueError: the weight cannot be packed (device, dtype or build; the message says which).
+        """
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"PackedLinear.from_module needs an nn.Linear, got {type(linear).__name__}")
+        why = packing_unavailable(linear.weight)
+        if why is not None:
+            raise ValueError(f"cannot pack this linear: {why}")
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        return cls(packed, linear.bias, linear.in_features, linear.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight in the usual layout (bitwise the values that were packed)."""
+        return self.packed.to_dense()
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with the same weight (a fresh dense tensor) and the same bias parameter."""
+        weight = self.dense_weight()
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if self.bias is not None:
+            linear.bias = self.bias
+        return linear.to(dtype=weight.dtype)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
+        # the opaque oneDNN tensor has no storage to copy: re-pack the dense values
+        bias = copy.deepcopy(self.bias, memo)
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(), 1)
+        new = PackedLinear(packed, bias, self.in_features, self.out_features)
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.packed.dtype or x.device.type != "cpu":
+            raise TypeError(f"PackedLinear holds a {self.packed.dtype} CPU weight; got a {x.dtype} input on {x.device}")
+        bias = self.bias.detach() if self.bias is not None else None
+        if torch.compiler.is_compiling():  # the op exists: the compile feature defined it before compiling
+            return torch.ops.hf_accel.packed_linear(x, self.packed, bias, self.out_features)
+        return _packed_linear(x, self.packed, bias, self.out_features)  # [..., N]
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"dtype={self.packed.dtype}"
+        )
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Replace every :class:`PackedLinear` under ``model`` by an equivalent ``nn.Linear`` (for copies that change
+    dtype or get re-quantized). Returns how many were replaced."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(module, name, child.to_linear())
+                count += 1
+    return count

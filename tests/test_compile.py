@@ -1,0 +1,213 @@
+"""The compile feature: (a) config and errors, (b) PackedLinear / compiled MLP equivalence, (c) model level."""
+
+import copy
+
+import pytest
+import torch
+from helpers import ARCHS, assert_close, logits_of, random_batch, tiny_model
+from torch import nn
+
+import hf_accel
+from hf_accel import CompileConfig, IncompatibleOptionsError
+from hf_accel.fused import FusedGatedMLP
+from hf_accel.fused.packed import PackedLinear, packing_unavailable, unpack_linears
+from hf_accel.speculative import SelfSpeculative
+
+EAGER_TRACE = CompileConfig(backend="eager", mlp=True)  # dynamo tracing without Inductor: quick, same graph logic
+
+
+# ---------------------------------------------------------------- (a) config and errors
+
+
+def test_compile_config_validation_names_the_field():
+    with pytest.raises(IncompatibleOptionsError, match=r"CompileConfig.backend must be one of 'inductor', "):
+        CompileConfig(backend="tensorrt")
+    with pytest.raises(IncompatibleOptionsError, match=r"CompileConfig.mode needs backend='inductor' \(backend is"):
+        CompileConfig(mode="max-autotune", backend="eager")
+    with pytest.raises(IncompatibleOptionsError, match=r"CompileConfig.prepack must be a bool, got 1"):
+        CompileConfig(prepack=1)
+    with pytest.raises(IncompatibleOptionsError, match=r"CompileConfig.mlp must be a bool, got 'yes'"):
+        CompileConfig(mlp="yes")
+    assert CompileConfig().compile_kwargs() == {
+        "backend": "inductor",
+        "fullgraph": False,
+        "dynamic": None,  # PyTorch's default: static first, automatic dynamic on a changing dimension
+        "mode": "default",
+    }
+
+
+def test_packing_unavailable_says_why():
+    assert packing_unavailable(torch.empty(2, 2)) is None
+    assert packing_unavailable(torch.empty(2, 2, device="meta")) == "weights on meta (oneDNN packing is a CPU layout)"
+    assert packing_unavailable(torch.empty(2, 2, dtype=torch.float16)) == (
+        "dtype torch.float16 (oneDNN packing takes float32 or bfloat16)"
+    )
+    with pytest.raises(ValueError, match=r"cannot pack this linear: dtype torch.float16"):
+        PackedLinear.from_module(nn.Linear(4, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"PackedLinear.from_module needs an nn.Linear, got Conv1d"):
+        PackedLinear.from_module(nn.Conv1d(4, 4, 1))
+    packed = PackedLinear.from_module(nn.Linear(4, 3))
+    with pytest.raises(TypeError, match=r"PackedLinear holds a torch.float32 CPU weight; got a torch.bfloat16 input"):
+        packed(torch.randn(2, 4, dtype=torch.bfloat16))
+
+
+# ---------------------------------------------------------------- (b) modules
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 37)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(shape, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 1536, bias=bias)
+    packed = PackedLinear.from_module(linear)
+    x = torch.randn(*shape, 576)
+    with torch.no_grad():
+        assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-4, name="packed vs F.linear")  # fp32
+    assert torch.equal(packed.dense_weight(), linear.weight)  # packing re-orders, never rounds
+    assert packed.bias is linear.bias  # shared, not copied
+    again = packed.to_linear()
+    assert torch.equal(again.weight, linear.weight) and again.bias is linear.bias
+    twin = copy.deepcopy(packed)
+    assert torch.equal(twin.dense_weight(), linear.weight) and (not bias or twin.bias is not linear.bias)
+    with torch.no_grad():
+        assert torch.equal(twin(x), packed(x))
+
+
+def test_packed_linear_bfloat16():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        # bf16 products accumulate in fp32 in both kernels; rounding of the output differs by <= 1 bf16 ulp
+        assert_close(PackedLinear.from_module(linear)(x), linear(x), atol=2e-2, rtol=1e-2, name="bf16 packed")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_fused_mlp_matches_original(arch, backend):
+    model = tiny_model(arch)
+    originals = [copy.deepcopy(layer.mlp) for layer in model.model.layers]
+    hf_accel.patch_model(model, fused_mlp=True, compile=CompileConfig(backend=backend, mlp=True), paged=False)
+    hidden = model.config.hidden_size
+    for layer, original in zip(model.model.layers, originals, strict=True):
+        mlp = layer.mlp
+        assert isinstance(mlp, FusedGatedMLP) and isinstance(mlp.gate_up_proj, PackedLinear)
+        for shape in ((1, 1, hidden), (4, 37, hidden)):  # decode: compiled; prefill-sized: eager, packed
+            x = torch.randn(*shape)
+            with torch.no_grad():
+                assert_close(mlp(x), original(x), atol=1e-5, rtol=1e-4, name=f"{arch} {backend} {shape}")  # fp32
+
+
+# ---------------------------------------------------------------- (c) model level
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_greedy_identical_every_architecture(tiny, arch, backend):
+    ids, mask = random_batch(3, [4, 9, 12], seed=5)
+    expected = tiny.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    before = logits_of(tiny, ids, mask)
+    hf_accel.patch_model(tiny, compile=CompileConfig(backend=backend, mlp=True))
+    got = tiny.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected), arch
+    paged = tiny.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, paged=True)
+    assert torch.equal(paged, expected), arch
+    assert_close(logits_of(tiny, ids, mask), before, atol=1e-4, rtol=1e-4, name=f"{arch} logits")  # fp32
+    hf_accel.unpatch_model(tiny)
+    assert torch.equal(logits_of(tiny, ids, mask), before)  # bitwise: the packed values come back as they were
+
+
+def test_cpu_default_packs_without_compiling_mlps():
+    model = tiny_model("llama")
+    hf_accel.patch_model(model, compile=True)
+    changes = hf_accel.patch_report(model)["changes"]["compile"]
+    assert changes["MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)"] == 1
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, PackedLinear)
+    assert model.model.layers[0].mlp._compiled is None
+
+
+def test_float_weights_released_while_packed_and_restored():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    q = model.model.layers[0].self_attn.q_proj.weight
+    saved = gate.detach().clone(), q.detach().clone()
+    hf_accel.patch_model(model, compile=EAGER_TRACE)
+    assert gate.numel() == 0 and q.numel() == 0  # the packed copies hold the values: no doubled memory
+    assert isinstance(model.lm_head, PackedLinear) and model.model.embed_tokens.weight.numel() > 0  # tied: kept
+    changes = hf_accel.patch_report(model)["changes"]["compile"]
+    assert changes["tied lm_head packed (its float weight stays for the embedding)"] == 1
+    assert changes["fused MLP compiled (decode shapes)"] == 2
+    hf_accel.unpatch_model(model)
+    assert torch.equal(gate, saved[0]) and torch.equal(q, saved[1])
+    assert type(model.model.layers[0].mlp.gate_proj) is nn.Linear
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_no_recompilation_across_generate_calls_of_one_shape_class(backend):
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    hf_accel.patch_model(model, compile=CompileConfig(backend=backend, mlp=True))
+    ids, mask = random_batch(2, [5, 8], seed=1)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    compiled = _unique_graphs()
+    assert compiled >= 1  # the decode-shaped MLP graph
+    for lengths, new in (([3, 11], 9), ([7, 7], 4), ([12, 2], 12)):  # other prompt lengths, other lengths out
+        ids, mask = random_batch(2, lengths, seed=2)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert _unique_graphs() == compiled  # same batch size: the graphs are reused, prompts run eagerly
+
+
+def test_static_cache_calls_get_a_compiled_decode_step():
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, [5, 8], seed=3)
+    expected = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static"
+    )
+    hf_accel.patch_model(model, compile=CompileConfig(backend="eager", mlp=False))
+    before = _unique_graphs()
+    got = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static"
+    )
+    assert torch.equal(got, expected)
+    assert _unique_graphs() > before  # Transformers compiled its decode step on CPU because we asked it to
+    compiled = _unique_graphs()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert _unique_graphs() == compiled  # the second identical call reuses it
+
+
+def test_self_speculative_copy_of_a_packed_model():
+    model = tiny_model("llama")
+    ids, mask = random_batch(2, [5, 8], seed=4)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    hf_accel.patch_model(model, compile=EAGER_TRACE)
+    spec = SelfSpeculative("int8")
+    got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, speculative=spec)
+    assert torch.equal(got, expected)
+    twin = copy.deepcopy(model.model.layers[0].mlp)
+    assert twin._compiled is None  # copies run eagerly
+    assert unpack_linears(twin) == 2 and type(twin.gate_up_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("mlp", [False, True])
+def test_real_model_greedy_identical(default_model, mlp):
+    from helpers import chat_batch
+
+    model, tokenizer = default_model
+    inputs = chat_batch(tokenizer, ["What is the capital of France?", "Write a haiku about autumn leaves."])
+    with torch.inference_mode():
+        expected = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+        hf_accel.patch_model(model, compile=CompileConfig(mlp=mlp))
+        try:
+            got = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+            paged = model.generate(**inputs, max_new_tokens=24, do_sample=False, paged=True)
+        finally:
+            hf_accel.unpatch_model(model)
+        again = model.generate(**inputs, max_new_tokens=24, do_sample=False)
+    assert torch.equal(got, expected) and torch.equal(paged, expected)
+    assert torch.equal(again, expected)
