@@ -24,7 +24,7 @@ import time
 import torch
 
 import hf_accel
-from hf_accel.bench import CHAT_PROMPTS
+from hf_accel.bench import load_prompts
 
 PLAIN = dict(fused_mlp=False, paged=False, speculative=False)
 
@@ -71,11 +71,7 @@ def main() -> None:
     print("| batch | variant | decode tok/s | vs baseline | TTFT ms | greedy = baseline | first call s |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        texts = [
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in CHAT_PROMPTS[:batch]
-        ]
-        inputs = tok(texts, return_tensors="pt", padding=True)
+        inputs = tok(load_prompts("chat", tok, batch), return_tensors="pt", padding=True)
         base_rate, base_out = None, None
         for name, (patch_kwargs, gen_kwargs) in variants(args.skip_slow).items():
             hf_accel.patch_model(model, **patch_kwargs)

@@ -21,11 +21,9 @@ from collections.abc import Callable
 import torch
 
 import hf_accel
-from hf_accel.bench import CHAT_PROMPTS, perplexity
+from hf_accel.bench import load_prompts, perplexity
 from hf_accel.quant import Int8Linear
 from hf_accel.quant.bnb import is_bnb_linear
-
-PROMPTS = CHAT_PROMPTS
 
 
 def decode_rate(model, inputs, new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -117,11 +115,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
-        texts = [
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in PROMPTS[:batch]
-        ]
-        inputs = tok(texts, return_tensors="pt", padding=True)
+        inputs = tok(load_prompts("chat", tok, batch), return_tensors="pt", padding=True)
         rates, outs = {}, {}
         for name, m in variants.items():
             rates[name], outs[name] = decode_rate(m, inputs, args.max_new_tokens)

@@ -80,6 +80,16 @@ class Recorder:
         apply()
         self._changes.append(_Change(feature, what, undo))
 
+    def release(self, feature: str, what: str, params: list[nn.Parameter], restore: Callable[[], None]) -> None:
+        """Free the storage of ``params`` now (each keeps its object, now an empty tensor of its dtype/device);
+        ``restore`` gives them their values back on reversal."""
+
+        def free() -> None:
+            for param in params:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+        self.call(feature, what, free, restore)
+
     def note(self, feature: str, what: str) -> None:
         """Record a decision that changed nothing (e.g. a module left as it is), so reports can count it."""
         self._changes.append(_Change(feature, what, lambda: None))

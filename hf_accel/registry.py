@@ -22,6 +22,7 @@ __all__ = [
     "ArchSpec",
     "LayerParts",
     "ModelParts",
+    "decoder_linears",
     "get_spec",
     "resolve",
     "supported_model_types",
@@ -126,6 +127,16 @@ def get_attr_path(root: nn.Module, path: str) -> nn.Module:
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
     return obj
+
+
+def decoder_linears(model: nn.Module, parts: ModelParts) -> list[tuple[str, nn.Linear]]:
+    """``(name, module)`` of every plain ``nn.Linear`` inside the decoder layers, plus the LM head."""
+    prefix, head = f"{parts.spec.layers}.", parts.spec.lm_head
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and (name.startswith(prefix) or name == head)
+    ]
 
 
 def parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -26,7 +26,7 @@ from ..config import CompileConfig
 from ..errors import IncompatibleOptionsError
 from ..generate import GenerateCall
 from ..recorder import Recorder
-from ..registry import ModelParts, get_attr_path, parent_and_name
+from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
 from .packed import PackedLinear, define_compiled_op, packing_unavailable
 
@@ -39,23 +39,8 @@ logger = logging.getLogger(__name__)
 FEATURE = "compile"
 
 
-def _linear_targets(model: nn.Module, parts: ModelParts) -> list[tuple[str, nn.Linear]]:
-    prefix = f"{parts.spec.layers}."
-    return [
-        (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and (name.startswith(prefix) or name == parts.spec.lm_head)
-    ]
-
-
 def _release(recorder: Recorder, weight: nn.Parameter, packed: PackedLinear, aliases: list[Any]) -> None:
     """Free the float weight (and the original parameters viewing it); unpatch re-creates them from ``packed``."""
-    dtype, device = weight.dtype, weight.device
-    params = [weight, *(alias for alias, _, _ in aliases)]
-
-    def free() -> None:
-        for param in params:
-            param.data = torch.empty(0, dtype=dtype, device=device)
 
     def restore() -> None:
         dense = packed.dense_weight()  # bitwise the packed values
@@ -63,11 +48,12 @@ def _release(recorder: Recorder, weight: nn.Parameter, packed: PackedLinear, ali
         for alias, start, stop in aliases:
             alias.data = dense[start:stop]
 
-    recorder.call(FEATURE, "float weight released (the packed copy holds it)", free, restore)
+    params = [weight, *(alias for alias, _, _ in aliases)]
+    recorder.release(FEATURE, "float weight released (the packed copy holds it)", params, restore)
 
 
 def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
-    targets = _linear_targets(model, parts)
+    targets = decoder_linears(model, parts)
     why = packing_unavailable(targets[0][1].weight) if targets else "no nn.Linear to pack"
     if why is not None:
         recorder.note(FEATURE, f"linears not packed: {why}")
@@ -127,15 +113,15 @@ class _CompiledMLP:
         return self.fn(x, *gu, *down, mlp.intermediate_size, mlp.down_proj.out_features)
 
 
+def _settings(act: nn.Module) -> tuple[type, dict[str, Any]]:
+    """An activation module's type and public attributes (e.g. GELU's ``approximate``)."""
+    return type(act), {k: v for k, v in vars(act).items() if not k.startswith("_")}
+
+
 def _same_activation(mlps: list[FusedGatedMLP]) -> nn.Module | None:
-    first = mlps[0].act_fn
-    for mlp in mlps[1:]:
-        act = mlp.act_fn
-        if type(act) is not type(first) or {k: v for k, v in vars(act).items() if not k.startswith("_")} != {
-            k: v for k, v in vars(first).items() if not k.startswith("_")
-        }:
-            return None
-    return first
+    """The first layer's activation if every layer's behaves identically, else ``None``."""
+    first = _settings(mlps[0].act_fn)
+    return mlps[0].act_fn if all(_settings(m.act_fn) == first for m in mlps[1:]) else None
 
 
 def _compile_mlps(parts: ModelParts, config: CompileConfig, recorder: Recorder) -> None:

@@ -16,7 +16,7 @@ from torch import nn
 from ..config import Int8Config
 from ..errors import IncompatibleOptionsError
 from ..recorder import Recorder
-from ..registry import ModelParts, get_attr_path, parent_and_name
+from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize
 from .linear import Int8Embedding, Int8Linear
@@ -28,15 +28,11 @@ FEATURE = "int8"
 
 
 def _targets(model: nn.Module, parts: ModelParts, config: Int8Config) -> list[tuple[str, nn.Linear]]:
-    names = [f"{parts.spec.layers}.", parts.spec.lm_head]
-    out = []
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear or not (name.startswith(names[0]) or name == names[1]):
-            continue
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.skip_modules):
-            continue
-        out.append((name, module))
-    return out
+    return [
+        (name, linear)
+        for name, linear in decoder_linears(model, parts)
+        if not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.skip_modules)
+    ]
 
 
 def resolve_backend(config: Int8Config, device: torch.device) -> str:
@@ -76,16 +72,13 @@ def _swap(
     parent, attr = parent_and_name(model, name)
     recorder.set_submodule(FEATURE, parent, attr, new, f"Linear -> {type(new).__name__}")
     weight = linear.weight
-    dtype, device = weight.dtype, weight.device
+    dtype = weight.dtype
     original = weight.data if keep else None  # only a kept weight may stay referenced: the rest must be freed
-
-    def free() -> None:
-        weight.data = torch.empty(0, dtype=dtype, device=device)
 
     def restore() -> None:
         weight.data = original if original is not None else dequant(dtype)
 
-    recorder.call(FEATURE, "float weight released" if not keep else "float weight kept", free, restore)
+    recorder.release(FEATURE, "float weight released" if not keep else "float weight kept", [weight], restore)
 
 
 def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder: Recorder) -> None:
