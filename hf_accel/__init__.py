@@ -8,6 +8,7 @@ Quick start::
 """
 
 from .config import AccelConfig, CompileConfig, FusedMLPConfig, Int8Config, PagedConfig, SpeculativeConfig
+from .engine import Engine, EngineStoppedError, FinishReason, RequestFailedError, RequestOutput, UnknownRequestError
 from .errors import (
     AlreadyPatchedError,
     CacheFullError,
@@ -35,7 +36,10 @@ __all__ = [
     "CacheFullError",
     "CompileConfig",
     "DefaultModelNotInstalledError",
+    "Engine",
+    "EngineStoppedError",
     "FeatureNotAvailableError",
+    "FinishReason",
     "FusedGatedMLP",
     "FusedMLPConfig",
     "GenerationStats",
@@ -46,7 +50,10 @@ __all__ = [
     "NotPatchedError",
     "PagedCache",
     "PagedConfig",
+    "RequestFailedError",
+    "RequestOutput",
     "SpeculativeConfig",
+    "UnknownRequestError",
     "UnsupportedModelError",
     "__version__",
     "is_patched",

@@ -86,9 +86,16 @@ def _convert(gguf_path: Path, target: Path) -> None:
 
     _require_gguf()
     logger.info("hf_accel: converting %s to safetensors in %s (once; ~40 s)", gguf_path.name, target)
+    from tqdm.auto import tqdm
+
     folder, name = str(gguf_path.parent), gguf_path.name
+    phases = tqdm(total=3, desc="hf_accel: converting the default model (once)", unit="phase")
+    phases.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    phases.update()
+    phases.set_postfix_str("de-quantizing GGUF weights")
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    phases.update()
     # The weights are already de-quantized to float; the GGUF marker only blocks serialisation.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -96,8 +103,11 @@ def _convert(gguf_path: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
+        phases.set_postfix_str("writing safetensors")
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        phases.update()
+        phases.close()
         try:
             staging.rename(target)
         except OSError:

@@ -50,3 +50,10 @@ def test_all_features_example(default_model, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "hf_accel features: int8, fused_mlp, paged, speculative" in out
     assert out.count("\n> ") == 3 and "[batch 3: " in out
+
+
+def test_serve_requests_example(default_model, monkeypatch, capsys):
+    _run("serve_requests.py", ["--max-new-tokens", "5", "--questions", "Hi", "Name a colour.", "Say yes."], monkeypatch)
+    out = capsys.readouterr().out
+    assert out.count("\nQ: ") == 3 and out.count("done: ") == 3
+    assert "3 requests in " in out and "engine steps" in out

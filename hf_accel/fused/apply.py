@@ -1,16 +1,28 @@
-"""Adapter: swap every decoder layer's gated MLP for a :class:`FusedGatedMLP` (per instance, recorded)."""
+"""Adapter: swap every decoder layer's gated MLP for a :class:`FusedGatedMLP` (per instance, recorded).
+
+Dispatched models: an MLP whose weights accelerate offloads is left unfused (fusing would need them resident),
+and said so; a replaced MLP's accelerate hook moves to its replacement. Tensor-parallel models: each rank fuses
+its own column-wise shards of gate and up (this rank's ``[gate_shard; up_shard]``), the original shards become
+views into it, and the row-wise ``down_proj`` keeps Transformers' all-reduce.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import torch
 from torch import nn
 
 from ..config import FusedMLPConfig
+from ..dispatch import is_offloaded, is_sharded, local_tensor, tp_style, transfer_hook
+from ..errors import IncompatibleOptionsError
 from ..recorder import Recorder
 from ..registry import ArchSpec, ModelParts, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
 
 __all__ = ["apply_fused_mlp"]
 
+logger = logging.getLogger(__name__)
 FEATURE = "fused_mlp"
 
 
@@ -35,6 +47,40 @@ def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedM
     return fused
 
 
+def _check_tp_plan(model: nn.Module, prefix: str, spec: ArchSpec) -> None:
+    styles = {p: tp_style(model, f"{prefix}.{p}") for p in (spec.gate_proj, spec.up_proj, spec.down_proj)}
+    wanted = {spec.gate_proj: "colwise", spec.up_proj: "colwise", spec.down_proj: "rowwise"}
+    if styles != wanted:
+        raise IncompatibleOptionsError(
+            f"fused_mlp cannot honour the tensor-parallel plan of {prefix}: {styles}; it fuses column-wise gate/up "
+            "shards before a row-wise down_proj. Patch with fused_mlp=False"
+        )
+
+
+def _fuse_sharded(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedMLP:
+    """This rank's fused ``[gate_shard; up_shard]``; the DTensor shards become views into it."""
+    gate, up = get_attr_path(mlp, spec.gate_proj), get_attr_path(mlp, spec.up_proj)
+    pairs = [(gate.weight, up.weight)] + ([(gate.bias, up.bias)] if gate.bias is not None else [])
+    fused = []
+    for g, u in pairs:
+        g_local, u_local = local_tensor(g), local_tensor(u)  # [I / tp, H] each (or [I / tp] biases)
+        both = torch.cat([g_local.detach(), u_local.detach()], dim=0)  # [2 I / tp, H]
+        rows = g_local.shape[0]
+
+        def share(g_local=g_local, u_local=u_local, both=both, rows=rows) -> None:
+            g_local.set_(both[:rows])
+            u_local.set_(both[rows:])
+
+        def unshare(g_local=g_local, u_local=u_local) -> None:
+            g_local.set_(g_local.clone())
+            u_local.set_(u_local.clone())
+
+        recorder.call(FEATURE, "gate/up shards shared", share, unshare)
+        fused.append(nn.Parameter(both, requires_grad=False))
+    down = get_attr_path(mlp, spec.down_proj)
+    return FusedGatedMLP(fused[0], fused[1] if len(fused) > 1 else None, down, get_attr_path(mlp, spec.act_fn))
+
+
 def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig, recorder: Recorder) -> None:
     """Replace each layer's MLP with a fused one.
 
@@ -42,13 +88,27 @@ def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig,
         ``layer.<spec.mlp>`` is replaced on every decoder layer; the original gate/up parameters are
         re-pointed at halves of the fused weight. Both are recorded in ``recorder``.
     """
-    del model, config  # the spec and the located layers carry everything needed
+    del config  # the spec and the located layers carry everything needed
     spec = parts.spec
     for layer in parts:
         projections = [get_attr_path(layer.mlp, p) for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj) if p]
         if any(type(p) is not nn.Linear for p in projections):  # e.g. already int8: left as it is, and said so
             recorder.note(FEATURE, "MLP left unfused (projections are not nn.Linear)")
             continue
-        fused = _fuse_one(layer.mlp, spec, recorder)
+        if is_offloaded(layer.mlp):
+            recorder.note(FEATURE, "MLP left unfused (weights offloaded by accelerate)")
+            logger.warning(
+                "hf_accel: fused_mlp: layer %d's MLP weights are offloaded by accelerate; left unfused", layer.index
+            )
+            continue
+        if any(is_sharded(p.weight) for p in projections):
+            if spec.gate_up_proj is not None:
+                recorder.note(FEATURE, "MLP left as is (fused upstream and tensor-parallel)")
+                continue
+            _check_tp_plan(model, f"{spec.layers}.{layer.index}.{spec.mlp}", spec)
+            fused = _fuse_sharded(layer.mlp, spec, recorder)
+        else:
+            fused = _fuse_one(layer.mlp, spec, recorder)
+        transfer_hook(layer.mlp, fused)
         parent, name = parent_and_name(layer.layer, spec.mlp)
         recorder.set_submodule(FEATURE, parent, name, fused, "MLP fused")

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..config import CompileConfig
-from ..errors import IncompatibleOptionsError
+from ..dispatch import check_resident, is_sharded, transfer_hook
+from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..generate import GenerateCall
 from ..recorder import Recorder
 from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
@@ -54,6 +55,12 @@ def _release(recorder: Recorder, weight: nn.Parameter, packed: PackedLinear, ali
 
 def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
     targets = decoder_linears(model, parts)
+    for name, linear in targets:
+        check_resident(name, linear, "compile (weight pre-packing)", "patch with CompileConfig(prepack=False)")
+        if is_sharded(linear.weight):
+            raise FeatureNotAvailableError(
+                f"compile cannot pre-pack the tensor-parallel shard {name}; patch with CompileConfig(prepack=False)"
+            )
     why = packing_unavailable(targets[0][1].weight) if targets else "no nn.Linear to pack"
     if why is not None:
         recorder.note(FEATURE, f"linears not packed: {why}")
@@ -63,6 +70,7 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
     aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
     for name, linear in targets:
         packed = PackedLinear.from_module(linear)
+        transfer_hook(linear, packed)
         parent, attr = parent_and_name(model, name)
         recorder.set_submodule(FEATURE, parent, attr, packed, "Linear -> PackedLinear")
         if linear.weight is embedding:

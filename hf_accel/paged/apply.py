@@ -44,6 +44,27 @@ def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder:
         config._attn_implementation = base
 
     recorder.call("paged", f"attention {base} -> {name}", switch, restore)
+    recorder.set_instance_attr("paged", model, "generate_many", _generate_many(model), "generate_many bound")
+
+
+def _generate_many(model: nn.Module) -> Any:
+    def generate_many(prompts: Any, tokenizer: Any = None, engine: Any = None, **generate_kwargs: Any) -> list:
+        """Generate for many prompts with continuous batching (:class:`hf_accel.Engine`); see
+        :meth:`hf_accel.Engine.generate_many`. ``engine``: an existing engine of this model (default: one kept by
+        the model, built on first use with the engine's defaults)."""
+        from ..engine import Engine
+        from ..patch import _get_state
+
+        if engine is None:
+            extras = _get_state(model).extras
+            engine = extras.get("engine")
+            if engine is None or engine.tokenizer is not tokenizer:
+                engine = extras["engine"] = Engine(model, tokenizer)
+        elif engine.model is not model:
+            raise IncompatibleOptionsError("generate_many(engine=...) got an engine built for another model")
+        return engine.generate_many(prompts, **generate_kwargs)
+
+    return generate_many
 
 
 def _with_base_attention(model: nn.Module, proceed: Any) -> Any:

@@ -134,6 +134,8 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
         window = kwargs.get("sliding_window") or 0
         softcap = kwargs.get("softcap") or 0.0
+        if step.packed is not None:
+            return attend_packed(layer, query, key, value, step, scale, int(window), float(softcap)), None
         out = attend(layer, query, key, value, step, scale, int(window), float(softcap))
         return out, None  # out: [B, Q, H_q, D]
 
@@ -195,6 +197,58 @@ def attend(
             query, layer.keys, layer.values, t["block_tables"], t["q_pos"], scale, window, softcap
         )
     return gather_attention(layer, query, key, value, step, scale, window, softcap)
+
+
+def attend_packed(
+    layer: PagedLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step: _Step,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention of a packed chunk (``query`` ``[1, H_q, N, D]``: several sequences' tokens back to back).
+
+    Rows feeding few tokens (decode, verification) go through the native kernel together, padded to the longest
+    of them (only inside attention: the rest of the model ran on the ``N`` real tokens); prompt chunks attend one
+    by one over their own slice (a fresh prompt) or their context gathered from the pool. Returns
+    ``[1, N, H_q, D]``.
+    """
+    packed = step.packed
+    q_all = query[0].transpose(0, 1)  # [N, H_q, D]
+    out = torch.empty_like(q_all)
+    rest = range(len(packed.lengths))
+    if packed.short:
+        index = packed.short_index.to(query.device)  # [Rs, Qs]
+        q = q_all[index].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
+        if _use_kernel(layer, q):
+            o = native_kernel().paged_attention(  # type: ignore[union-attr]
+                q,
+                layer.keys,
+                layer.values,
+                packed.short_tables.to(query.device),
+                packed.short_q_pos.to(query.device),
+                scale,
+                window,
+                softcap,
+            )  # [Rs, Qs, H_q, D]
+            real = packed.short_real.to(query.device)
+            out[index[real]] = o[real].to(out.dtype)
+            done = set(packed.short)
+            rest = [r for r in rest if r not in done]
+    for row in rest:
+        start, n = packed.offsets[row], packed.lengths[row]
+        q = query[0][:, start : start + n]  # [H_q, n, D]
+        if step.fresh[row]:
+            k, v = key[0][:, start : start + n], value[0][:, start : start + n]  # [H_kv, n, D]
+        else:
+            k, v = layer.context(row, step)  # [H_kv, S, D]
+        positions = step.q_pos[row, :n].tolist()
+        o = dense_attention(q, k, v, positions, scale, window, softcap)  # [H_q, n, D]
+        out[start : start + n] = o.transpose(0, 1).to(out.dtype)
+    return out[None]
 
 
 def gather_attention(

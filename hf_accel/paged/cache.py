@@ -50,6 +50,51 @@ def _default_budget(device: torch.device) -> int:
     return min(_CPU_DEFAULT_CAP, available // 4)
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """How a packed forward (``[1, N]`` tokens of several sequences back to back) maps onto rows.
+
+    Rows feeding few tokens (decode, speculative verification) are attended together through the native kernel,
+    padded to the longest of them; the others (prompt chunks) are attended one by one on their own slice.
+
+    Args:
+        offsets / lengths: where each row's tokens start in the chunk, and how many there are.
+        short: rows of at most ``short_max`` tokens.
+        short_index: ``[Rs, Qs]`` int64: position in the chunk of each short row's ``j``-th token (0 for padding).
+        short_real: ``[Rs, Qs]`` bool: which entries of ``short_index`` are tokens.
+        short_q_pos / short_tables: the kernel's ``q_pos`` (-1 for padding) and block tables of the short rows.
+    """
+
+    offsets: list[int]
+    lengths: list[int]
+    short: list[int]
+    short_index: torch.Tensor
+    short_real: torch.Tensor
+    short_q_pos: torch.Tensor
+    short_tables: torch.Tensor
+
+
+def _packed_rows(lengths: list[int], q_pos: torch.Tensor, tables: torch.Tensor, short_max: int) -> PackedRows:
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    short = [i for i, n in enumerate(lengths) if n <= short_max]
+    width = max([lengths[i] for i in short], default=1)
+    arange = torch.arange(width)
+    real = arange[None, :] < torch.tensor([lengths[i] for i in short], dtype=torch.long).reshape(-1, 1)  # [Rs, Qs]
+    starts = torch.tensor([offsets[i] for i in short], dtype=torch.long).reshape(-1, 1)
+    index = torch.where(real, starts + arange[None, :], 0)  # [Rs, Qs]
+    return PackedRows(
+        offsets=offsets,
+        lengths=lengths,
+        short=short,
+        short_index=index,
+        short_real=real,
+        short_q_pos=q_pos[short][:, :width].contiguous(),
+        short_tables=tables[short].contiguous(),
+    )
+
+
 @dataclass
 class _Step:
     """What one forward pass writes: computed at its first layer, reused by every other layer."""
@@ -64,6 +109,7 @@ class _Step:
     fresh: list[bool]  # per row: nothing stored before this chunk
     ctx_slots: list[torch.Tensor | None]  # per row: slots of its whole context (dense path), lazily
     last_layer: int = -1
+    packed: PackedRows | None = None
     on_device: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -165,21 +211,34 @@ def _kv_geometry(model: nn.Module) -> tuple[int, int, int]:
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
+    return cfg.num_hidden_layers, _local_kv_heads(model, kv_heads), head_dim
+
+
+def _local_kv_heads(model: nn.Module, kv_heads: int) -> int:
+    """K/V heads this rank computes: a column-wise sharded ``k_proj`` (tensor parallelism) splits them."""
+    from ..dispatch import tp_size, tp_style
+
+    tp = tp_size(model)
+    if tp == 1:
+        return kv_heads
+    style = next((tp_style(model, n) for n, _ in model.named_modules() if n.endswith("self_attn.k_proj")), None)
+    if style != "colwise":  # replicated (e.g. "colwise_gather_output") or fused qkv: every rank holds all heads
+        return kv_heads
+    if kv_heads % tp:
+        raise IncompatibleOptionsError(
+            f"PagedCache: {kv_heads} K/V heads cannot be split over a tensor-parallel degree of {tp}"
+        )
+    return kv_heads // tp
 
 
 def _layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
-    """The device of each decoder layer (its first parameter or buffer), so each pool sits next to its layer."""
+    """The device each decoder layer computes on, so each pool sits next to its layer."""
+    from ..dispatch import execution_device
     from ..registry import get_attr_path, get_spec
 
     layers = get_attr_path(model, get_spec(model).layers)
-    devices = []
-    for layer in list(layers)[:num_layers]:
-        tensor = next(iter(layer.parameters()), None)
-        if tensor is None:
-            tensor = next(iter(layer.buffers()), None)
-        devices.append(tensor.device if tensor is not None else torch.device("cpu"))
-    return devices
+    # accelerate: an offloaded layer's weights are on "meta"; it computes on its hook's execution device
+    return [execution_device(layer) or torch.device("cpu") for layer in list(layers)[:num_layers]]
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -268,6 +327,7 @@ class PagedCache(Cache):
         self._rows: list[int | None] = []  # per batch row: sequence id, or None once released
         self._length = 0  # logical (padded) length, what Transformers sees
         self._step: _Step | None = None
+        self._pinned: _Step | None = None
         self._prefix_hit_tokens = 0
         self._prompt_tokens = 0
         self.peak_blocks_used = 0
@@ -509,6 +569,8 @@ class PagedCache(Cache):
             q_len: tokens per row in this chunk.
             padding: ``[B, Q]`` bool, True where the chunk's token is real; ``None`` = all real.
         """
+        if self._pinned is not None:
+            return self._pinned
         step = self._step
         if step is None or layer_idx <= step.last_layer or step.q_len != q_len:
             step = self._plan(batch, q_len, padding)
@@ -572,6 +634,54 @@ class PagedCache(Cache):
             fresh=[b == 0 for b in before],
             ctx_slots=[None] * B,
         )
+
+    def pin_packed(
+        self,
+        seqs: Sequence[int],
+        starts: Sequence[int],
+        slots: Sequence[int],
+        copies: list[BlockCopy],
+        short_max: int = 16,
+    ) -> None:
+        """Plan the next forward as a packed chunk: sequence ``seqs[i]`` feeds tokens at positions ``starts[i]..``.
+
+        The caller (:class:`hf_accel.Engine`) has already reserved the slots with the block manager; the chunk's
+        tokens are laid out row after row (``[1, N]``, ``N = len(slots)``). Every layer of the next forward uses
+        this plan; :meth:`unpin` ends it.
+        """
+        m = self.manager
+        total = [m.num_tokens(s) for s in seqs]
+        lengths = [t - b for t, b in zip(total, starts, strict=True)]
+        if sum(lengths) != len(slots):
+            raise ValueError(f"{len(slots)} slots for {sum(lengths)} packed tokens")
+        R, width = len(seqs), max(lengths)
+        arange = torch.arange(width)
+        real = arange[None, :] < torch.tensor(lengths)[:, None]  # [R, Qmax]
+        q_pos = torch.where(real, torch.tensor(starts)[:, None] + arange[None, :], -1).to(torch.int32)
+        tables = [m.block_table(s) for s in seqs]
+        block_tables = torch.zeros(R, max(1, max(len(t) for t in tables)), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self._rows = list(seqs)
+        self._pinned = _Step(
+            q_len=len(slots),
+            valid=torch.ones(1, len(slots), dtype=torch.bool),
+            all_valid=True,
+            slots=torch.tensor(list(slots), dtype=torch.int64),
+            copies=copies,
+            block_tables=block_tables,
+            q_pos=q_pos,
+            fresh=[b == 0 for b in starts],
+            ctx_slots=[None] * R,
+            packed=_packed_rows(lengths, q_pos, block_tables, short_max),
+        )
+        self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - m.num_free - m.num_evictable)
+
+    def unpin(self) -> None:
+        """End a packed plan (rows are the engine's, not the cache's: nothing is freed)."""
+        self._pinned = None
+        self._rows = []
+        self._step = None
 
     def _context_slots(self, row: int, step: _Step) -> torch.Tensor:
         cached = step.ctx_slots[row]

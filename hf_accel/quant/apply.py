@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from ..config import Int8Config
+from ..dispatch import TPRowwise, check_resident, is_sharded, local_tensor, tp_group, tp_style, transfer_hook
 from ..errors import IncompatibleOptionsError
 from ..recorder import Recorder
 from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
-from .core import dequantize
+from .core import dequantize, quantize
 from .linear import Int8Embedding, Int8Linear
 
 __all__ = ["apply_int8", "resolve_backend"]
@@ -70,6 +71,7 @@ def _swap(
     dequant: Callable[[torch.dtype], torch.Tensor],
 ) -> None:
     parent, attr = parent_and_name(model, name)
+    transfer_hook(linear, new)
     recorder.set_submodule(FEATURE, parent, attr, new, f"Linear -> {type(new).__name__}")
     weight = linear.weight
     dtype = weight.dtype
@@ -106,6 +108,10 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     head_name = parts.spec.lm_head
     tied = get_attr_path(model, head_name).weight is embed.weight
     for name, linear in _targets(model, parts, config):
+        check_resident(name, linear, "int8", _OFFLOAD_ADVICE)
+        if is_sharded(linear.weight):
+            _quantize_shard(recorder, model, name, linear, config, backend)
+            continue
         if name == head_name and tied and not _can_tie(embed, backend):
             recorder.note(FEATURE, f"tied lm_head left in float ({backend}: embedding lookup stays float)")
             continue
@@ -118,6 +124,58 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             _tie_embedding(model, parts, embed, new, recorder)
         _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: dequantize(m.quantized, dt))
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
+
+
+_OFFLOAD_ADVICE = (
+    "keep it on a device (a device_map without offload for it), skip it with Int8Config(skip_modules=[...]), or "
+    "quantize before dispatching (hf_accel.save_quantized / load_quantized)"
+)
+
+
+def _quantize_shard(
+    recorder: Recorder, model: nn.Module, name: str, linear: nn.Linear, config: Int8Config, backend: str
+) -> None:
+    """Tensor parallelism: quantize this rank's shard; a row-wise one all-reduces its partial output."""
+    style = tp_style(model, name)
+    if backend != "native":
+        raise IncompatibleOptionsError(
+            f"int8 backend {backend!r} cannot quantize the tensor-parallel shard {name}; "
+            "use Int8Config(backend='native')"
+        )
+    if style not in ("colwise", "rowwise"):
+        recorder.note(FEATURE, f"tensor-parallel {style} linear left in float")
+        return
+    weight, bias = linear.weight, linear.bias
+    w_local = local_tensor(weight)  # [out / tp, in] (colwise) or [out, in / tp] (rowwise)
+    plain = nn.Linear(w_local.shape[1], w_local.shape[0], bias=False, device="meta", dtype=w_local.dtype)
+    plain.weight = nn.Parameter(w_local, requires_grad=False)
+    if style == "colwise" and bias is not None:
+        plain.bias = nn.Parameter(local_tensor(bias), requires_grad=False)
+    if style == "rowwise" and config.group_size is None:  # scale each row by the whole row, as one process would
+        absmax = w_local.detach().float().abs().amax(dim=1, keepdim=True)  # [out, 1]
+        torch.distributed.all_reduce(absmax, op=torch.distributed.ReduceOp.MAX, group=tp_group(weight))
+        inner = Int8Linear(quantize(w_local, None, absmax=absmax)).to(w_local.device)
+    else:  # colwise rows are whole; row-wise groups are whole when the shard width is a multiple of group_size
+        if style == "rowwise" and w_local.shape[1] % config.group_size:
+            raise IncompatibleOptionsError(
+                f"int8 group_size={config.group_size} does not divide the tensor-parallel shard of {name} "
+                f"({w_local.shape[1]} input features per rank)"
+            )
+        inner = Int8Linear.from_module(plain, config.group_size).to(w_local.device)
+    new: nn.Module = inner
+    if style == "rowwise":
+        new = TPRowwise(inner, None if bias is None else local_tensor(bias).detach(), tp_group(weight))
+    parent, attr = parent_and_name(model, name)
+    recorder.set_submodule(FEATURE, parent, attr, new, f"{style} shard -> int8")
+    original = w_local.clone() if config.keep_original else None
+
+    def free() -> None:
+        w_local.set_(torch.empty(0, dtype=w_local.dtype, device=w_local.device))
+
+    def restore() -> None:
+        w_local.set_(original if original is not None else dequantize(inner.quantized, w_local.dtype))
+
+    recorder.call(FEATURE, "float shard released" if original is None else "float shard kept", free, restore)
 
 
 def _can_tie(embed: nn.Module, backend: str) -> bool:

@@ -49,17 +49,26 @@ def _groups(weight: torch.Tensor, group_size: int | None) -> int:
     return size
 
 
-def quantize(weight: torch.Tensor, group_size: int | None = None) -> QuantizedWeight:
+def quantize(
+    weight: torch.Tensor, group_size: int | None = None, absmax: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Quantize ``weight: [N, K]`` to int8 per output row, or per group of ``group_size`` input columns.
 
+    Args:
+        absmax: ``[N, G]`` magnitudes to scale by instead of the weight's own (a shard of a row that must be
+            quantized like the whole row: tensor parallelism); each must be ``>=`` the shard's.
+
     Raises:
-        ValueError: not 2-D, or ``group_size`` does not divide ``K``.
+        ValueError: not 2-D, ``group_size`` does not divide ``K``, or ``absmax`` of the wrong shape.
         TypeError: not a floating-point tensor.
     """
     size = _groups(weight, group_size)
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // size, size)  # [N, G, group]
-    absmax = w.abs().amax(dim=-1)  # [N, G]
+    if absmax is None:
+        absmax = w.abs().amax(dim=-1)  # [N, G]
+    elif tuple(absmax.shape) != (n, k // size):
+        raise ValueError(f"absmax must be [{n}, {k // size}], got {tuple(absmax.shape)}")
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # all-zero groups: any scale
     q = torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q.reshape(n, k).contiguous(), scale.contiguous(), size)

@@ -242,8 +242,14 @@ class SelfSpeculative(DraftModel):
     @staticmethod
     def build(target: nn.Module, weights: str | torch.dtype) -> nn.Module:
         """The cheaper copy of ``target`` (a private deep copy; the target is not touched)."""
+        from ..dispatch import is_offloaded, is_sharded
         from ..patch import _STATE_ATTR
 
+        if is_offloaded(target) or any(is_sharded(p) for p in target.parameters()):
+            raise IncompatibleOptionsError(
+                "self-speculation copies the model's weights, but this model's are offloaded by accelerate or "
+                "sharded by tensor parallelism; speculate with prompt_lookup=True or a separate draft_model"
+            )
         draft = copy.deepcopy(target)
         for attr in ("generate", _STATE_ATTR):  # the copy is a plain model, not a patched one
             draft.__dict__.pop(attr, None)

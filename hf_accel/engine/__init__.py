@@ -1,0 +1,6 @@
+"""Continuous batching over the paged KV cache: :class:`Engine` and its pure scheduler."""
+
+from .engine import Engine, EngineStoppedError, UnknownRequestError
+from .request import FinishReason, RequestFailedError, RequestOutput
+
+__all__ = ["Engine", "EngineStoppedError", "FinishReason", "RequestFailedError", "RequestOutput", "UnknownRequestError"]

@@ -1,0 +1,503 @@
+"""``Engine``: continuous batching of many requests over one paged KV pool.
+
+Each :meth:`Engine.step` runs one forward over a *packed* chunk: the tokens every scheduled request feeds this
+step (decode tokens, prompt chunks, recomputation after preemption, speculative drafts) laid out back to back as
+``[1, N]``, with per-token ``position_ids``. Linear layers and MLPs therefore see only real tokens; attention views
+the chunk per request (:func:`hf_accel.paged.attention.attend_packed`). Requests join and leave the batch at every
+step. The scheduling decisions are :class:`~.scheduler.Scheduler`'s (pure Python, tested on its own).
+
+Threading: :meth:`add_request`, :meth:`cancel` and :meth:`stream` may be called from any thread; the model runs on
+one thread, either the caller's (:meth:`step`, :meth:`run_until_done`, or a :meth:`stream` that drives the engine
+itself) or the background thread of :meth:`start`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import PagedConfig
+from ..errors import IncompatibleOptionsError, NotPatchedError
+from ..paged.attention import DECODE_MAX_QUERY
+from ..paged.cache import PAGED_ATTENTION_PREFIX, PagedCache
+from ..speculative.verify import verify_greedy, verify_sampling
+from .request import END, FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec
+from .scheduler import Phase, Scheduler, SeqState, Work
+
+__all__ = ["Engine", "EngineStoppedError", "UnknownRequestError"]
+
+logger = logging.getLogger("hf_accel.engine")
+
+
+class EngineStoppedError(IncompatibleOptionsError):
+    """A request was added to (or the loop started on) an engine that was stopped."""
+
+
+class UnknownRequestError(IncompatibleOptionsError, KeyError):
+    """A request id this engine never returned."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class Engine:
+    """Continuous batching for a model patched by :func:`hf_accel.patch_model` (with its ``paged`` feature).
+
+    Args:
+        model: the patched causal LM.
+        tokenizer: needed for text prompts and stop strings.
+        max_batch_tokens: tokens fed per step, all requests together (prompt chunks + decode tokens + drafts).
+        max_running: requests decoding together.
+        paged: the pool (:class:`~hf_accel.PagedConfig`); default: the patched model's paged config with the prefix
+            cache on.
+
+    Raises:
+        NotPatchedError: the model is not patched, or patched without the ``paged`` feature.
+        IncompatibleOptionsError: bad sizes.
+
+    Example::
+
+        engine = hf_accel.Engine(model, tokenizer, max_running=8)
+        a = engine.add_request("Tell me a joke", max_new_tokens=32)
+        b = engine.add_request(ids, do_sample=True, temperature=0.7, max_new_tokens=64)
+        outputs = engine.run_until_done()      # {request_id: RequestOutput}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        max_batch_tokens: int = 1024,
+        max_running: int = 16,
+        paged: PagedConfig | None = None,
+    ) -> None:
+        from ..patch import _get_state
+
+        state = _get_state(model)
+        impl = getattr(model.config, "_attn_implementation", "") or ""
+        if state is None or state.config.paged is None or not impl.startswith(PAGED_ATTENTION_PREFIX):
+            raise NotPatchedError(
+                "Engine drives a model patched with the paged feature: call hf_accel.patch_model(model) first"
+            )
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise IncompatibleOptionsError(f"Engine.{name} must be an int >= 1, got {value!r}")
+        if max_batch_tokens < max_running:
+            raise IncompatibleOptionsError(
+                f"Engine.max_batch_tokens ({max_batch_tokens}) must be >= max_running ({max_running}): every running "
+                "request feeds at least one token per step"
+            )
+        if paged is not None and not isinstance(paged, PagedConfig):
+            raise IncompatibleOptionsError(f"Engine.paged must be a PagedConfig or None, got {type(paged).__name__}")
+        cfg = paged or PagedConfig(
+            block_size=state.config.paged.block_size,
+            num_blocks=state.config.paged.num_blocks,
+            max_memory=state.config.paged.max_memory,
+            prefix_cache=True,
+            attention=state.config.paged.attention,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = _model_device(model)
+        self.cache = PagedCache(
+            model,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            max_memory=cfg.max_memory,
+            prefix_cache=cfg.prefix_cache,
+            attention=cfg.attention,
+        )
+        self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running, cfg.prefix_cache)
+        self._lock = threading.Condition()
+        self._inbox: list[tuple[Tracked, SeqState]] = []
+        self._cancels: list[int] = []
+        self._requests: dict[int, Tracked] = {}
+        self._states: dict[int, SeqState] = {}
+        self._next_id = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.forward_tokens = 0
+
+    def __repr__(self) -> str:
+        s = self.scheduler
+        return (
+            f"Engine(running={len(s.running)}, waiting={len(s.waiting)}, max_running={s.max_running}, "
+            f"max_batch_tokens={s.max_batch_tokens}, pool={self.cache.num_blocks}x{self.cache.block_size} tokens)"
+        )
+
+    # ------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: Any, generation_config: Any = None, **kwargs: Any) -> int:
+        """Queue a request; it joins the running batch at a coming step.
+
+        Args:
+            prompt: token ids (a list of ints, or a 1D / ``[1, L]`` tensor) or a string (needs ``tokenizer``).
+            generation_config: a ``GenerationConfig`` (default: the model's).
+            **kwargs: what ``generate`` takes for one sequence: ``max_new_tokens``, ``do_sample``,
+                ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
+                ``logits_processor``, ``stopping_criteria``, ``streamer``; ``prompt_lookup=True`` (or
+                ``speculative=PromptLookup(...)``) to speculate with prompt lookup.
+
+        Returns:
+            The request id.
+
+        Raises:
+            EngineStoppedError: after :meth:`stop`.
+            IncompatibleOptionsError: an empty prompt, a prompt + ``max_new_tokens`` the pool can never hold,
+                options the engine does not support.
+        """
+        if self._closed:
+            raise EngineStoppedError("this Engine was stopped; create a new one to add requests")
+        ids = self._prompt_ids(prompt)
+        if generation_config is not None:
+            kwargs["generation_config"] = generation_config
+        spec = build_spec(self.model, len(ids), kwargs, self.tokenizer, self.device)
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            state = SeqState(rid, list(ids), len(ids), spec.max_new_tokens, arrival=rid)
+            if state.prompt_len + state.max_new_tokens > self.scheduler.capacity:
+                raise IncompatibleOptionsError(
+                    f"prompt of {state.prompt_len} tokens + max_new_tokens={state.max_new_tokens} needs "
+                    f"{state.prompt_len + state.max_new_tokens} KV slots but the engine's pool holds "
+                    f"{self.scheduler.capacity}; give it a larger pool (paged=PagedConfig(num_blocks=...)) or lower "
+                    "max_new_tokens"
+                )
+            tracked = Tracked(RequestOutput(rid, list(ids)), spec)
+            if spec.streamer is not None:
+                spec.streamer.put(torch.tensor([ids]))
+            self._requests[rid] = tracked
+            self._inbox.append((tracked, state))
+            self._lock.notify_all()
+        return rid
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise IncompatibleOptionsError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() == 2 and prompt.shape[0] == 1:
+                prompt = prompt[0]
+            if prompt.dim() != 1:
+                raise IncompatibleOptionsError(
+                    f"a prompt tensor must be 1D or [1, L] (one request each), got shape {tuple(prompt.shape)}"
+                )
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
+            raise IncompatibleOptionsError(f"a prompt is a string, a list of token ids or a tensor, got {prompt!r:.80}")
+        if len(prompt) == 0:
+            raise IncompatibleOptionsError("the prompt is empty: give at least one token")
+        vocab = self.model.config.get_text_config().vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise IncompatibleOptionsError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a request (from any thread); it ends with ``finish_reason="cancelled"`` at the next step.
+
+        Raises:
+            UnknownRequestError: an id this engine never returned.
+        """
+        with self._lock:
+            self._tracked(request_id)
+            self._cancels.append(request_id)
+            self._lock.notify_all()
+
+    def _tracked(self, request_id: int) -> Tracked:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+
+    def result(self, request_id: int) -> RequestOutput:
+        """The request's output so far (complete once ``finish_reason`` is set)."""
+        with self._lock:
+            return self._tracked(request_id).output
+
+    def stream(self, request_id: int, timeout: float | None = None) -> Iterator[int]:
+        """Iterate over the request's new tokens as they are generated.
+
+        Without a background loop (:meth:`start`), iterating drives the engine (all requests progress).
+
+        Raises:
+            UnknownRequestError: an unknown id.
+            RequestFailedError: the request failed (e.g. its logits processor raised).
+            TimeoutError: no token within ``timeout`` seconds (background loop only).
+        """
+        tracked = self._tracked(request_id)
+        while True:
+            if self._thread is None:
+                item = self._next_item(tracked)
+            else:
+                try:
+                    item = tracked.stream.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"request {request_id}: no token within {timeout} s") from None
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise RequestFailedError(f"request {request_id} failed: {item!r}") from item
+            yield item
+
+    def _next_item(self, tracked: Tracked) -> Any:
+        while True:
+            try:
+                return tracked.stream.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.step() and tracked.stream.empty():
+                raise RuntimeError(f"request {tracked.output.request_id} can make no progress (engine idle)")
+
+    # --------------------------------------------------------------------------------------- loop
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    def run_until_done(self) -> dict[int, RequestOutput]:
+        """Step until every request is finished; returns the outputs not returned before, by request id."""
+        if self._thread is not None:
+            with self._lock:
+                self._lock.wait_for(lambda: not self._inbox and not self.scheduler.has_work())
+        else:
+            while self.step():
+                pass
+        with self._lock:
+            done = {rid: t.output for rid, t in self._requests.items() if t.output.finished and not t.collected}
+            for rid in done:
+                self._requests[rid].collected = True
+        return done
+
+    def start(self) -> Engine:
+        """Run the engine loop on a background thread until :meth:`stop`."""
+        if self._closed:
+            raise EngineStoppedError("this Engine was stopped; create a new one")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hf_accel-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop accepting requests; finish (or, with ``cancel``, cancel) the rest; end the background loop.
+
+        Afterwards every block of the requests is back in the pool (cached prefixes stay reusable).
+        """
+        with self._lock:
+            self._closed = True
+            if cancel:
+                self._cancels.extend(rid for rid, t in self._requests.items() if not t.output.finished)
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the engine loop did not finish within {timeout} s")
+            self._thread = None
+        else:
+            while self.step():
+                pass
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._inbox or self._cancels or self.scheduler.has_work() or self._closed)
+                if self._closed and not self._inbox and not self._cancels and not self.scheduler.has_work():
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug must not leave waiters hanging: fail what is left, end the loop
+                logger.exception("engine loop failed")
+                self._fail_all(exc)
+                return
+            finally:
+                with self._lock:
+                    self._lock.notify_all()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            self._closed = True
+        self._drain()
+        for state in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._end(state, FinishReason.FAILED, exc, publish=False)
+
+    def step(self) -> bool:
+        """Run one engine step (admit, forward, sample, stream). Returns ``False`` when there was nothing to do."""
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise IncompatibleOptionsError("the engine loop runs in the background (start()); do not call step()")
+        self._drain()
+        works = self.scheduler.schedule(self._propose)
+        if not works:
+            return False
+        self.steps += 1
+        try:
+            logits = self._forward(works)
+        except Exception as exc:  # a failing forward fails the requests in it, not the engine
+            logger.exception("engine forward failed; failing %d requests", len(works))
+            for w in works:
+                self._end(w.state, FinishReason.FAILED, exc, publish=False)
+            return True
+        for w in works:
+            state = w.state
+            try:
+                if w.sample:
+                    self._advance(w, logits.pop(state.rid))
+                else:
+                    self.scheduler.publish_prompt(state)
+            except Exception as exc:  # e.g. a user logits processor raising: this request fails alone
+                logger.warning("request %d failed: %r", state.rid, exc)
+                self._end(state, FinishReason.FAILED, exc, publish=False)
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+            for _, state in inbox:
+                self._states[state.rid] = state
+                self.scheduler.add(state)
+        for rid in cancels:
+            state = self._states.get(rid)
+            if state is not None and state.phase is not Phase.DONE:
+                self._end(state, FinishReason.CANCELLED)
+
+    def generate_many(self, prompts: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:
+        """Add every prompt with the same ``generate`` kwargs, run them all, return their sequences in order.
+
+        Returns:
+            One 1D tensor per prompt: its tokens then the generated ones (``generate``'s row, without padding).
+
+        Raises:
+            RequestFailedError: a request failed (the first one, in prompt order).
+        """
+        ids = [self.add_request(p, **kwargs) for p in prompts]
+        outputs = self.run_until_done() if self._thread is None else None
+        result = []
+        for rid in ids:
+            out = outputs[rid] if outputs is not None and rid in outputs else self._wait(rid)
+            out.raise_for_error()
+            result.append(out.sequence)
+        return result
+
+    def _wait(self, rid: int) -> RequestOutput:
+        tracked = self._tracked(rid)
+        with self._lock:
+            self._lock.wait_for(lambda: tracked.output.finished)
+            tracked.collected = True
+        return tracked.output
+
+    def _end(
+        self, state: SeqState, reason: FinishReason, error: BaseException | None = None, publish: bool = True
+    ) -> None:
+        if not publish:
+            state.computed = 0  # K/V of a failed step may be incomplete: publish nothing of it
+        self.scheduler.finish(state)
+        tracked = self._requests[state.rid]
+        tracked.output.preemptions = state.preemptions
+        with self._lock:
+            tracked.close(reason, error)
+            self._states.pop(state.rid, None)
+            self._lock.notify_all()
+
+    # ----------------------------------------------------------------------------------- forward
+    def _propose(self, state: SeqState, budget: int) -> list[int]:
+        spec = self._requests[state.rid].spec
+        if spec.lookup is None:
+            return []
+        k = min(budget, spec.lookup.k.num_tokens)
+        return spec.lookup._lookup(torch.tensor(state.tokens), k).tokens.tolist()
+
+    def _forward(self, works: list[Work]) -> dict[int, torch.Tensor]:
+        """One packed forward; returns each sampling request's logits, ``[1 + drafts, V]`` float."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        copies = []
+        keep: list[int] = []
+        for w in works:
+            fed = w.tokens + w.drafts
+            if w.sample:
+                keep.extend(range(len(ids) + len(fed) - 1 - len(w.drafts), len(ids) + len(fed)))
+            ids.extend(fed)
+            pos.extend(range(w.start, w.start + len(fed)))
+            slots.extend(w.slots)
+            copies.extend(w.copies)
+        self.forward_tokens += len(ids)
+        seqs, starts = [w.state.seq for w in works], [w.start for w in works]
+        self.cache.pin_packed(seqs, starts, slots, copies, short_max=DECODE_MAX_QUERY)
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=torch.tensor([ids], device=self.device),
+                    position_ids=torch.tensor([pos], device=self.device),
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=torch.tensor(keep or [0], device=self.device),
+                )
+        finally:
+            self.cache.unpin()
+        logits = out.logits[0].float()  # [K, V]
+        result, at = {}, 0
+        for w in works:
+            if w.sample:
+                n = 1 + len(w.drafts)
+                result[w.state.rid] = logits[at : at + n]
+                at += n
+        return result
+
+    # ------------------------------------------------------------------------------------ tokens
+    def _scores(self, spec: Any, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=logits.device)
+        return spec.processors(ids, logits[None])  # [1, V]
+
+    def _advance(self, work: Work, logits: torch.Tensor) -> None:
+        """Pick the request's next token(s) from ``logits`` ([1 + drafts, V]), verify drafts, stream, stop."""
+        state = work.state
+        tracked = self._requests[state.rid]
+        spec = tracked.spec
+        self.scheduler.publish_prompt(state)
+        drafts = work.drafts
+        if spec.sample:
+            rows = [self._scores(spec, state.tokens + drafts[:j], logits[j])[0] for j in range(len(drafts) + 1)]
+            probs = torch.stack(rows).softmax(-1)  # [1 + drafts, V]
+            verdict = verify_sampling(torch.tensor(drafts, dtype=torch.long, device=probs.device), probs, None)
+        else:
+            picks = []
+            for j in range(len(drafts) + 1):  # stop scoring at the first mismatch
+                picks.append(int(self._scores(spec, state.tokens + drafts[:j], logits[j]).argmax(-1)))
+                if j == len(drafts) or picks[-1] != drafts[j]:
+                    break
+            picks += [-1] * (len(drafts) + 1 - len(picks))
+            verdict = verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
+        tracked.output.proposed += len(drafts)
+        tracked.output.accepted += verdict.accepted
+        self.scheduler.accept(work, [], verdict.accepted)
+        for token in verdict.tokens:
+            state.tokens.append(token)
+            tracked.emit(token)
+            reason = self._stop_reason(spec, state, token)
+            if reason is not None:
+                state.computed = min(state.computed, len(state.tokens) - 1)
+                self._end(state, reason)
+                return
+
+    def _stop_reason(self, spec: Any, state: SeqState, token: int) -> FinishReason | None:
+        ids = torch.tensor([state.tokens])
+        if not bool(spec.stopping(ids, None).any()):
+            return None
+        if token in spec.eos:
+            return FinishReason.EOS
+        if state.generated >= state.max_new_tokens:
+            return FinishReason.LENGTH
+        return FinishReason.STOP

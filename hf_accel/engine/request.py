@@ -1,0 +1,216 @@
+"""One engine request: its generation settings in Transformers' terms, and what it produced.
+
+A request's keyword arguments are read exactly as ``generate`` reads them (``GenerationConfig`` fields, a
+``generation_config``, ``logits_processor``, ``stopping_criteria``, ``streamer``), and Transformers builds the
+logits processors (sampling warpers included) and stopping criteria (max length, EOS, stop strings), so each
+request decodes as a batch-1 ``generate`` call would.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+from ..errors import HFAccelError, IncompatibleOptionsError
+from ..generate import eos_token_ids
+from ..speculative.strategies import PromptLookup
+
+__all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec"]
+
+#: ``generate`` keywords a request takes besides ``GenerationConfig`` fields.
+_EXTRA_KWARGS = (
+    "generation_config",
+    "logits_processor",
+    "stopping_criteria",
+    "streamer",
+    "prompt_lookup",
+    "speculative",
+)
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"  # a stop string or a user stopping criterion
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class RequestFailedError(HFAccelError, RuntimeError):
+    """Raised by :meth:`Engine.stream` / :meth:`RequestOutput.raise_for_error` for a request that failed alone."""
+
+
+@dataclass
+class RequestSpec:
+    """A request's settings, resolved once when it is added."""
+
+    config: GenerationConfig
+    processors: LogitsProcessorList
+    stopping: StoppingCriteriaList
+    max_new_tokens: int
+    sample: bool
+    eos: list[int]
+    lookup: PromptLookup | None
+    streamer: Any
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced.
+
+    Args:
+        request_id: the id :meth:`Engine.add_request` returned.
+        prompt: prompt token ids.
+        tokens: generated token ids.
+        finish_reason: why it stopped (``None`` while running).
+        error: the exception that failed it (``finish_reason == "failed"``).
+        time_to_first_token / latency: seconds from :meth:`Engine.add_request` to its first token / to the end.
+        preemptions: times it was preempted (its K/V recomputed later).
+        proposed / accepted: speculative draft tokens proposed and accepted.
+    """
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: BaseException | None = None
+    time_to_first_token: float | None = None
+    latency: float | None = None
+    preemptions: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """``[prompt + generated]`` as a 1D int64 tensor (what ``generate`` returns per row, without padding)."""
+        return torch.tensor([*self.prompt, *self.tokens], dtype=torch.long)
+
+    def raise_for_error(self) -> None:
+        if self.error is not None:
+            raise RequestFailedError(f"request {self.request_id} failed: {self.error!r}") from self.error
+
+
+class _End:
+    """Stream sentinel."""
+
+
+END = _End()
+
+
+@dataclass
+class Tracked:
+    """Engine-side bookkeeping of one request (its stream queue and timing)."""
+
+    output: RequestOutput
+    spec: RequestSpec
+    added_at: float = field(default_factory=time.perf_counter)
+    stream: queue.Queue = field(default_factory=queue.Queue)
+    collected: bool = False
+
+    def emit(self, token: int) -> None:
+        out = self.output
+        if out.time_to_first_token is None:
+            out.time_to_first_token = time.perf_counter() - self.added_at
+        out.tokens.append(token)
+        self.stream.put(token)
+        if self.spec.streamer is not None:
+            self.spec.streamer.put(torch.tensor([token]))
+
+    def close(self, reason: FinishReason, error: BaseException | None = None) -> None:
+        out = self.output
+        out.finish_reason, out.error = reason, error
+        out.latency = time.perf_counter() - self.added_at
+        self.stream.put(error if error is not None else END)
+        if self.spec.streamer is not None and error is None:
+            self.spec.streamer.end()
+
+    def tokens(self) -> Iterator[int]:
+        """Drain the stream without blocking."""
+        while True:
+            try:
+                item = self.stream.get_nowait()
+            except queue.Empty:
+                return
+            yield item
+
+
+def _lookup(value: Any) -> PromptLookup | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return PromptLookup()
+    if isinstance(value, PromptLookup):
+        return value
+    raise IncompatibleOptionsError(
+        f"the engine speculates with prompt lookup only: pass prompt_lookup=True or speculative=PromptLookup(...), "
+        f"got {type(value).__name__}"
+    )
+
+
+def build_spec(
+    model: nn.Module, prompt_len: int, kwargs: dict[str, Any], tokenizer: Any, device: torch.device
+) -> RequestSpec:
+    """Resolve a request's ``generate``-style keyword arguments.
+
+    Raises:
+        IncompatibleOptionsError: unknown keywords, beam search, several return sequences, or no room to generate.
+    """
+    kwargs = dict(kwargs)
+    base = kwargs.pop("generation_config", None) or model.generation_config
+    user_processors = kwargs.pop("logits_processor", None) or LogitsProcessorList()
+    user_stopping = kwargs.pop("stopping_criteria", None) or StoppingCriteriaList()
+    streamer = kwargs.pop("streamer", None)
+    lookup = _lookup(kwargs.pop("speculative", None)) or _lookup(kwargs.pop("prompt_lookup", None))
+    cfg = copy.deepcopy(base)
+    unknown = cfg.update(**kwargs)
+    if unknown:
+        raise IncompatibleOptionsError(
+            f"unknown generation options {sorted(unknown)}: a request takes GenerationConfig fields and "
+            f"{', '.join(_EXTRA_KWARGS)}"
+        )
+    if (cfg.num_beams or 1) > 1 or (cfg.num_return_sequences or 1) > 1:
+        raise IncompatibleOptionsError(
+            "the engine decodes one sequence per request: num_beams and num_return_sequences must be 1 "
+            "(add the prompt several times for several samples)"
+        )
+    if cfg.max_new_tokens is not None:
+        cfg.max_length = prompt_len + cfg.max_new_tokens
+    max_new = cfg.max_length - prompt_len
+    if max_new < 1:
+        raise IncompatibleOptionsError(
+            f"max_length={cfg.max_length} leaves no room after a prompt of {prompt_len} tokens; set max_new_tokens"
+        )
+    model._prepare_special_tokens(cfg, True, device=device)
+    processors = model._get_logits_processor(
+        generation_config=cfg,
+        input_ids_seq_length=prompt_len,
+        encoder_input_ids=None,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=user_processors,
+        device=device,
+        model_kwargs={},
+    )
+    stopping = model._get_stopping_criteria(cfg, user_stopping, tokenizer)
+    return RequestSpec(
+        config=cfg,
+        processors=processors,
+        stopping=stopping,
+        max_new_tokens=max_new,
+        sample=bool(cfg.do_sample),
+        eos=eos_token_ids(cfg.eos_token_id),
+        lookup=lookup,
+        streamer=streamer,
+    )

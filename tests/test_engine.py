@@ -1,0 +1,335 @@
+"""Tier (c): the continuous-batching Engine against single-request ``generate`` (tiny models and the real one)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+import pytest
+import torch
+from helpers import EOS, VOCAB, chat_batch, tiny_model
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import hf_accel
+from hf_accel import Engine, EngineStoppedError, PagedConfig, RequestFailedError, UnknownRequestError
+from hf_accel.errors import IncompatibleOptionsError, NotPatchedError
+from hf_accel.speculative import PromptLookup
+
+
+def prompts_of(count: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def reference(model, prompt: list[int], **kwargs) -> list[int]:
+    """Single-request greedy ``generate`` (the plain, non-paged path)."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def small_pool(num_blocks: int = 24, block_size: int = 4) -> PagedConfig:
+    return PagedConfig(num_blocks=num_blocks, block_size=block_size, prefix_cache=True)
+
+
+def assert_pool_free(engine: Engine) -> None:
+    m = engine.cache.manager
+    m.check_invariants()
+    assert m.sequences() == []
+    assert m.num_free + m.num_evictable == m.num_blocks
+
+
+@pytest.fixture
+def patched(arch):
+    return hf_accel.patch_model(tiny_model(arch))
+
+
+def test_greedy_equals_single_request_generate_every_arch(patched):
+    """Chunked prefill, mixed prefill/decode steps and preemption (a 24-block pool) on every architecture."""
+    prompts = prompts_of(10, seed=1)
+    refs = [reference(patched, p, max_new_tokens=16, eos_token_id=None) for p in prompts]
+    engine = Engine(patched, max_batch_tokens=48, max_running=5, paged=small_pool())
+    ids = [engine.add_request(p, max_new_tokens=16, eos_token_id=None) for p in prompts]
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == refs
+    assert engine.scheduler.preemptions > 0  # the pool was small enough to force recomputation
+    assert all(outputs[i].finish_reason == "length" for i in ids)
+    assert_pool_free(engine)
+
+
+def test_arrival_order_and_cancellation_do_not_change_outputs():
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompts = prompts_of(8, seed=2)
+    refs = [reference(model, p, max_new_tokens=12, eos_token_id=None) for p in prompts]
+    engine = Engine(model, max_batch_tokens=32, max_running=4, paged=small_pool())
+    ids, pending = {}, list(range(8))[::-1]  # reversed arrival order, one new request every other step
+    cancelled = set()
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 2 == 0:
+            j = pending.pop(0)
+            ids[j] = engine.add_request(prompts[j], max_new_tokens=12, eos_token_id=None)
+            if j in (3, 6):
+                engine.cancel(ids[j])
+                cancelled.add(j)
+        engine.step()
+        step += 1
+    for j, rid in ids.items():
+        out = engine.result(rid)
+        if j in cancelled:
+            assert out.finish_reason == "cancelled"
+        else:
+            assert out.tokens == refs[j], j
+    assert_pool_free(engine)
+
+
+def test_eos_and_per_request_settings():
+    model = hf_accel.patch_model(tiny_model("qwen3"))
+    prompts = prompts_of(4, seed=3)
+    settings = [
+        dict(max_new_tokens=10, eos_token_id=None),
+        dict(max_new_tokens=14, repetition_penalty=1.3, eos_token_id=None),
+        dict(max_new_tokens=20, min_new_tokens=5, eos_token_id=EOS),
+        dict(max_new_tokens=8, do_sample=True, top_k=1, eos_token_id=None),  # top_k=1 sampling = greedy
+    ]
+    refs = [
+        reference(model, p, **{k: v for k, v in s.items() if k not in ("do_sample", "top_k")})
+        for p, s in zip(prompts, settings, strict=True)
+    ]
+    engine = Engine(model, max_batch_tokens=64, max_running=4, paged=small_pool(64))
+    ids = [engine.add_request(p, **s) for p, s in zip(prompts, settings, strict=True)]
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == refs
+    assert [len(outputs[i].tokens) for i in ids[:2]] == [10, 14]
+
+
+def test_eos_stops_a_request_and_frees_its_blocks():
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompt = prompts_of(1, seed=4)[0]
+    free_run = reference(model, prompt, max_new_tokens=12, eos_token_id=None)
+    stop_at = free_run[5]
+    engine = Engine(model, max_batch_tokens=64, max_running=4, paged=small_pool())
+    rid = engine.add_request(prompt, max_new_tokens=12, eos_token_id=stop_at, pad_token_id=0)
+    out = engine.run_until_done()[rid]
+    assert out.tokens == free_run[: free_run.index(stop_at) + 1]
+    assert out.finish_reason == "eos"
+    assert_pool_free(engine)
+
+
+def test_prompt_lookup_speculation_is_exact_and_accepts():
+    model = hf_accel.patch_model(tiny_model("llama"))
+    base = prompts_of(3, seed=5, lo=8, hi=12)
+    prompts = [p * 4 for p in base]  # repetitive prompts: n-gram lookup finds continuations
+    refs = [reference(model, p, max_new_tokens=24, eos_token_id=None) for p in prompts]
+    engine = Engine(model, max_batch_tokens=64, max_running=3, paged=small_pool(64))
+    ids = [engine.add_request(p, max_new_tokens=24, eos_token_id=None, prompt_lookup=True) for p in prompts]
+    ids.append(engine.add_request(prompts[0], max_new_tokens=24, eos_token_id=None, speculative=PromptLookup(4)))
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == [*refs, refs[0]]
+    assert sum(outputs[i].proposed for i in ids) > 0
+    assert sum(outputs[i].accepted for i in ids) > 0
+    assert_pool_free(engine)
+
+
+def test_stream_yields_every_token_and_streamer_gets_them():
+    model = hf_accel.patch_model(tiny_model("gemma2"))
+    prompts = prompts_of(3, seed=6)
+
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    engine = Engine(model, max_batch_tokens=64, max_running=3, paged=small_pool())
+    other = engine.add_request(prompts[0], max_new_tokens=9, eos_token_id=None)
+    rid = engine.add_request(prompts[1], max_new_tokens=9, eos_token_id=None, streamer=streamer)
+    streamed = list(engine.stream(rid))  # no background loop: iterating drives the engine
+    assert streamed == reference(model, prompts[1], max_new_tokens=9, eos_token_id=None)
+    assert streamer.puts[0] == [prompts[1]] and [t for (t,) in streamer.puts[1:]] == streamed and streamer.ended
+    assert engine.run_until_done()[other].tokens == reference(model, prompts[0], max_new_tokens=9, eos_token_id=None)
+
+
+def test_background_thread_with_producers_and_consumers():
+    model = hf_accel.patch_model(tiny_model("mistral"))
+    prompts = prompts_of(12, seed=7)
+    refs = [reference(model, p, max_new_tokens=10, eos_token_id=None) for p in prompts]
+    engine = Engine(model, max_batch_tokens=32, max_running=4, paged=small_pool()).start()
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def client(indices):
+        try:
+            for j in indices:
+                rid = engine.add_request(prompts[j], max_new_tokens=10, eos_token_id=None)
+                results[j] = list(engine.stream(rid, timeout=60))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(range(k, 12, 4),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    engine.stop(timeout=60)
+    assert not errors, errors
+    assert [results[j] for j in range(12)] == refs
+    assert_pool_free(engine)
+    with pytest.raises(EngineStoppedError, match="this Engine was stopped; create a new one"):
+        engine.add_request(prompts[0])
+
+
+def test_stop_with_cancel_leaves_the_pool_free():
+    model = hf_accel.patch_model(tiny_model("llama"))
+    engine = Engine(model, max_batch_tokens=32, max_running=4, paged=small_pool(64)).start()
+    ids = [engine.add_request(p, max_new_tokens=60, eos_token_id=None) for p in prompts_of(6, seed=8)]
+    engine.stop(cancel=True, timeout=60)
+    reasons = {engine.result(i).finish_reason for i in ids}
+    assert reasons <= {"cancelled", "length"} and "cancelled" in reasons
+    assert_pool_free(engine)
+
+
+def test_failing_request_fails_alone(caplog):
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompts = prompts_of(3, seed=9)
+
+    class Boom(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] > len(prompts[1]) + 2:
+                raise ValueError("boom")
+            return scores
+
+    engine = Engine(model, max_batch_tokens=64, max_running=3, paged=small_pool())
+    ids = [
+        engine.add_request(
+            p,
+            max_new_tokens=8,
+            eos_token_id=None,
+            **({"logits_processor": LogitsProcessorList([Boom()])} if j == 1 else {}),
+        )
+        for j, p in enumerate(prompts)
+    ]
+    with caplog.at_level(logging.WARNING, logger="hf_accel.engine"):
+        outputs = engine.run_until_done()
+    assert outputs[ids[1]].finish_reason == "failed" and len(outputs[ids[1]].tokens) == 3
+    with pytest.raises(RequestFailedError, match=r"request 1 failed: ValueError\('boom'\)"):
+        outputs[ids[1]].raise_for_error()
+    with pytest.raises(RequestFailedError, match="request 1 failed"):
+        list(engine.stream(ids[1]))
+    for j in (0, 2):
+        assert outputs[ids[j]].tokens == reference(model, prompts[j], max_new_tokens=8, eos_token_id=None)
+    assert "request 1 failed" in caplog.text
+    assert_pool_free(engine)
+
+
+def test_bad_input_errors():
+    plain = tiny_model("llama")
+    with pytest.raises(NotPatchedError, match=r"call hf_accel.patch_model\(model\) first"):
+        Engine(plain)
+    model = hf_accel.patch_model(plain)
+    with pytest.raises(IncompatibleOptionsError, match=r"max_batch_tokens \(4\) must be >= max_running \(8\)"):
+        Engine(model, max_batch_tokens=4, max_running=8)
+    with pytest.raises(IncompatibleOptionsError, match=r"Engine\.max_running must be an int >= 1, got 0"):
+        Engine(model, max_running=0)
+    engine = Engine(model, paged=PagedConfig(num_blocks=4, block_size=4))
+    with pytest.raises(IncompatibleOptionsError, match="the prompt is empty"):
+        engine.add_request([])
+    with pytest.raises(IncompatibleOptionsError, match=r"needs 21 KV slots but the engine's pool holds 16"):
+        engine.add_request(list(range(3, 8)), max_new_tokens=16)
+    with pytest.raises(IncompatibleOptionsError, match=r"outside the vocabulary \(0..255\)"):
+        engine.add_request([3, 999])
+    with pytest.raises(IncompatibleOptionsError, match="a text prompt needs a tokenizer"):
+        engine.add_request("hello")
+    with pytest.raises(IncompatibleOptionsError, match="num_beams and num_return_sequences must be 1"):
+        engine.add_request([3, 4], num_beams=2)
+    with pytest.raises(IncompatibleOptionsError, match=r"unknown generation options \['not_an_option'\]"):
+        engine.add_request([3, 4], not_an_option=1)
+    with pytest.raises(IncompatibleOptionsError, match="speculates with prompt lookup only"):
+        engine.add_request([3, 4], speculative="draft")
+    with pytest.raises(UnknownRequestError, match="unknown request id 42"):
+        engine.cancel(42)
+    with pytest.raises(UnknownRequestError, match="unknown request id 42"):
+        next(engine.stream(42))
+    engine.stop()
+    with pytest.raises(EngineStoppedError):
+        engine.add_request([3, 4])
+
+
+def test_generate_many_on_a_patched_model_and_unpatch():
+    model = hf_accel.patch_model(tiny_model("phi3"))
+    prompts = prompts_of(5, seed=10)
+    seqs = model.generate_many(prompts, max_new_tokens=7, eos_token_id=None)
+    assert [s.tolist() for s in seqs] == [p + reference(model, p, max_new_tokens=7, eos_token_id=None) for p in prompts]
+    hf_accel.unpatch_model(model)
+    assert not hasattr(model, "generate_many")
+
+
+def test_soak_200_requests_with_preemption_and_cancellations():
+    """200 requests: random prompt lengths, max tokens, arrival steps and cancellations; a pool forcing preemption."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    max_new = [rng.randint(1, 12) for _ in range(200)]
+    arrival = sorted(rng.randint(0, 300) for _ in range(200))
+    cancel_at = {j: arrival[j] + rng.randint(0, 6) for j in rng.sample(range(200), 30)}
+    engine = Engine(model, max_batch_tokens=40, max_running=8, paged=small_pool(20))
+    ids: dict[int, int] = {}
+    step = 0
+    while len(ids) < 200 or engine.has_unfinished():
+        for j in range(200):
+            if arrival[j] == step:
+                ids[j] = engine.add_request(prompts[j], max_new_tokens=max_new[j], eos_token_id=None)
+        for j, at in cancel_at.items():
+            if at == step and j in ids:
+                engine.cancel(ids[j])
+        engine.step()
+        step += 1
+        assert step < 5000, "the engine stopped making progress"
+    assert engine.scheduler.preemptions > 0
+    for j, rid in ids.items():
+        out = engine.result(rid)
+        if out.finish_reason == "cancelled":
+            assert j in cancel_at
+            continue
+        assert out.tokens == reference(model, prompts[j], max_new_tokens=max_new[j], eos_token_id=None), j
+    assert_pool_free(engine)
+
+
+def test_real_model_engine_matches_generate(default_model):
+    model, tok = default_model
+    hf_accel.patch_model(model)
+    try:
+        questions = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about rain."]
+        batch = chat_batch(tok, questions)
+        prompts = [
+            ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+        ]
+        refs = [reference(model, p, max_new_tokens=24) for p in prompts]
+        engine = Engine(
+            model, tok, max_batch_tokens=256, max_running=3, paged=PagedConfig(num_blocks=64, block_size=16)
+        )
+        ids = [engine.add_request(p, max_new_tokens=24) for p in prompts]
+        ids.append(engine.add_request(prompts[0], max_new_tokens=24, stop_strings=["."]))
+        outputs = engine.run_until_done()
+        assert [outputs[i].tokens for i in ids[:3]] == refs
+        stopped = reference(model, prompts[0], max_new_tokens=24, stop_strings=["."], tokenizer=tok)
+        assert tok.decode(stopped).endswith(".") and len(stopped) < 24  # the reference stopped on the string
+        assert outputs[ids[3]].tokens == stopped and outputs[ids[3]].finish_reason == "stop"
+        assert_pool_free(engine)
+    finally:
+        hf_accel.unpatch_model(model)
+
+
+@pytest.mark.parametrize("features", [{"int8": True}, {"compile": True}], ids=["int8", "compile"])
+def test_engine_on_models_with_other_features(features):
+    """The engine runs whatever the patch made of the model: int8 linears, pre-packed linears."""
+    model = hf_accel.patch_model(tiny_model("llama"), **features)
+    prompts = prompts_of(4, seed=12)
+    refs = [reference(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts]
+    seqs = model.generate_many(prompts, max_new_tokens=8, eos_token_id=None)
+    assert [s.tolist()[len(p) :] for s, p in zip(seqs, prompts, strict=True)] == refs
