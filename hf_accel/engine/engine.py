@@ -111,14 +111,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.device = _model_device(model)
-        self.cache = PagedCache(
-            model,
-            num_blocks=cfg.num_blocks,
-            block_size=cfg.block_size,
-            max_memory=cfg.max_memory,
-            prefix_cache=cfg.prefix_cache,
-            attention=cfg.attention,
-        )
+        self.cache = PagedCache.from_config(model, cfg)
         self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running, cfg.prefix_cache)
         self._lock = threading.Condition()
         self._inbox: list[tuple[Tracked, SeqState]] = []

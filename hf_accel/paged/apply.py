@@ -90,14 +90,7 @@ def _cache_for(model: nn.Module, state: PatchState, cfg: PagedConfig) -> PagedCa
     kept = state.extras.get(_CACHE_KEY)
     if kept is not None and kept[0] == cfg:
         return kept[1]
-    cache = PagedCache(
-        model,
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        max_memory=cfg.max_memory,
-        prefix_cache=cfg.prefix_cache,
-        attention=cfg.attention,
-    )
+    cache = PagedCache.from_config(model, cfg)
     state.extras[_CACHE_KEY] = (cfg, cache)
     return cache
 

@@ -332,6 +332,18 @@ class PagedCache(Cache):
         self._prompt_tokens = 0
         self.peak_blocks_used = 0
 
+    @classmethod
+    def from_config(cls, model: nn.Module, config: Any) -> PagedCache:
+        """A cache sized and configured by a :class:`~hf_accel.PagedConfig`."""
+        return cls(
+            model,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_memory=config.max_memory,
+            prefix_cache=config.prefix_cache,
+            attention=config.attention,
+        )
+
     # ------------------------------------------------------------------------------------ reporting
     @property
     def max_tokens(self) -> int:
