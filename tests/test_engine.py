@@ -83,6 +83,24 @@ def test_arrival_order_and_cancellation_do_not_change_outputs():
     assert_pool_free(engine)
 
 
+def test_shared_prompt_prefix_is_computed_once():
+    """A later request starting with an earlier one's prompt adopts its cached blocks and prefills the rest."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    system = prompts_of(1, seed=13, lo=30, hi=30)[0]
+    prompts = [[*system, 7, 8, 9], [*system, 10, 11]]
+    refs = [reference(model, p, max_new_tokens=6, eos_token_id=None) for p in prompts]
+    engine = Engine(model, max_batch_tokens=64, max_running=4, paged=small_pool(32))
+    first = engine.add_request(prompts[0], max_new_tokens=6, eos_token_id=None)
+    engine.step()  # the first prompt is prefilled and its full blocks published
+    second = engine.add_request(prompts[1], max_new_tokens=6, eos_token_id=None)
+    engine.step()
+    fed_before = engine.forward_tokens
+    outputs = engine.run_until_done()
+    assert [outputs[first].tokens, outputs[second].tokens] == refs
+    assert engine.scheduler.prefix_hit_tokens == 28  # 7 full blocks of 4 tokens of the shared 30-token prefix
+    assert fed_before == 33 + 1 + (32 - 28)  # prompt 1, its decode token, prompt 2's uncached tail
+
+
 def test_eos_and_per_request_settings():
     model = hf_accel.patch_model(tiny_model("qwen3"))
     prompts = prompts_of(4, seed=3)

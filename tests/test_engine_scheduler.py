@@ -97,6 +97,7 @@ def test_prefix_reuse_skips_cached_blocks():
     s.add(b)
     (w,) = s.schedule()
     assert (w.start, w.tokens) == (8, [18, 50])  # 8 tokens adopted from the prefix table
+    assert s.prefix_hit_tokens == 8
     s.manager.check_invariants()
 
 

@@ -14,7 +14,9 @@ from accelerate import dispatch_model
 from helpers import random_batch, tiny_model
 
 import hf_accel
+from hf_accel.dispatch import execution_device, tp_style, transfer_hook
 from hf_accel.errors import IncompatibleOptionsError
+from hf_accel.quant.core import quantize
 from hf_accel.speculative import SelfSpeculative
 
 WORKER = Path(__file__).parent / "workers" / "tp_worker.py"
@@ -124,6 +126,10 @@ def test_tensor_parallel_two_cpu_processes(tmp_path):
         assert res["int8_report"]["colwise shard -> int8"] == 10 and res["int8_report"]["rowwise shard -> int8"] == 4
         assert "self-speculation copies the model's weights" in res["self_spec"]["error"]
         assert res["compile"]["error"].startswith("FeatureNotAvailableError: compile cannot pre-pack the tensor")
+        assert res["gathered_plan"]["error"].startswith(
+            "IncompatibleOptionsError: fused_mlp cannot honour the tensor-parallel plan of model.layers.0.mlp: "
+        ), res["gathered_plan"]
+        assert res["gathered_plan_unfused"] is True
 
 
 @pytest.mark.cuda
@@ -148,3 +154,33 @@ def test_two_cuda_devices_greedy_equals_single_device():
         out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, **kwargs)
         ref = reference.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, **kwargs)
         assert torch.equal(out.cpu(), ref.cpu()), kwargs
+
+
+def test_tp_style_matches_plan_patterns():
+    model = tiny_model("llama")
+    model._tp_plan = {"model.layers.*.mlp.gate_proj": "colwise", "lm_head": "colwise_gather_output"}
+    assert tp_style(model, "model.layers.11.mlp.gate_proj") == "colwise"
+    assert tp_style(model, "lm_head") == "colwise_gather_output"
+    assert tp_style(model, "model.layers.0.mlp.down_proj") is None
+
+
+def test_offloading_hooks_are_not_shared(tmp_path):
+    model = offloaded("llama", tmp_path)
+    old = model.model.layers[1].mlp.gate_proj  # its hook loads "gate_proj.weight" from the offload folder
+    with pytest.raises(IncompatibleOptionsError, match="its accelerate hook offloads weights by name"):
+        transfer_hook(old, torch.nn.Linear(4, 4))
+    assert execution_device(model.model.layers[1]) == torch.device("cpu")
+
+
+def test_row_shards_quantized_with_the_rows_absmax_equal_the_whole_row():
+    """What a row-wise tensor-parallel rank does (absmax all-reduced) equals one process quantizing the row."""
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64)
+    whole = quantize(weight)
+    absmax = weight.abs().amax(dim=1, keepdim=True)  # what the all-reduce (MAX) of the shards' maxima yields
+    for shard in weight.split(32, dim=1):
+        part = quantize(shard, absmax=absmax)
+        assert torch.equal(part.scale, whole.scale)
+    assert torch.equal(torch.cat([quantize(s, absmax=absmax).qweight for s in weight.split(32, 1)], 1), whole.qweight)
+    with pytest.raises(ValueError, match=r"absmax must be \[16, 1\], got \(16, 2\)"):
+        quantize(weight, absmax=torch.ones(16, 2))

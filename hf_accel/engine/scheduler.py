@@ -119,6 +119,7 @@ class Scheduler:
         self.waiting: list[SeqState] = []  # sorted by arrival
         self.running: list[SeqState] = []  # sorted by arrival
         self.preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt (or recomputed) tokens adopted from the prefix table at admission
 
     # ---------------------------------------------------------------------------------------- queries
     @property
@@ -231,6 +232,7 @@ class Scheduler:
                 self._release(state)
                 break
             self.waiting.pop(0)
+            self.prefix_hit_tokens += state.computed
             state.phase = Phase.RUNNING
             bisect.insort(self.running, state, key=lambda s: s.arrival)
             self._add_work(state, n, got, plan)

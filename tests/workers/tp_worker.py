@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_accel
 
@@ -69,6 +69,19 @@ def main() -> None:
     record("int8_report", lambda: hf_accel.patch_report(tp)["changes"]["int8"])
     hf_accel.unpatch_model(tp)
     record("compile", lambda: hf_accel.patch_model(tp, compile=True) and "patched")
+
+    # a plan the fused MLP cannot honour (gathered gate/up outputs): a typed error, and fused_mlp=False works
+    config = AutoConfig.from_pretrained(folder)
+    config.base_model_tp_plan = {
+        **config.base_model_tp_plan,
+        "layers.*.mlp.gate_proj": "colwise_gather_output",
+        "layers.*.mlp.up_proj": "colwise_gather_output",
+        "layers.*.mlp.down_proj": "rowwise_split_input",
+    }
+    gathered = AutoModelForCausalLM.from_pretrained(folder, config=config, tp_plan="auto").eval()
+    record("gathered_plan", lambda: hf_accel.patch_model(gathered) and "patched")
+    hf_accel.patch_model(gathered, fused_mlp=False)
+    record("gathered_plan_unfused", lambda: greedy(gathered) == ref)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results, default=str))
     dist.destroy_process_group()
 
