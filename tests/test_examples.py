@@ -57,3 +57,10 @@ def test_serve_requests_example(default_model, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.count("\nQ: ") == 3 and out.count("done: ") == 3
     assert "3 requests in " in out and "engine steps" in out
+
+
+def test_compiled_generation_example(default_model, monkeypatch, capsys):
+    _run("compiled_generation.py", ["--max-new-tokens", "6", "--batch", "2"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "hf_accel features: fused_mlp, paged, speculative, compile" in out
+    assert "identical: True]" in out and out.count("\n> ") == 2
