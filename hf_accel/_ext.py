@@ -1,4 +1,4 @@
-"""Native CPU kernels built on first use with ``torch.utils.cpp_extension`` (AVX2 + FMA CPUs only).
+"""Native CPU kernels built on first use with ``torch.utils.cpp_extension`` (AVX2 + FMA or AVX-512 CPUs).
 
 :func:`load_extension` returns the compiled module, or ``None`` with the reason in :func:`extension_status`
 when it cannot be had here (no AVX2, no compiler). Callers choose a path explicitly and report it. Builds
@@ -26,12 +26,19 @@ _modules: dict[str, ModuleType | None] = {}
 _status: dict[str, str] = {}
 
 
-def _cpu_has_avx2() -> bool:
+#: instruction set -> (CPU capabilities that run it, compiler flags)
+_ISAS = {
+    "avx2": (("AVX2", "AVX512"), ["-mavx2", "-mfma"]),
+    "avx512": (("AVX512",), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+}
+
+
+def _cpu_supports(isa: str) -> bool:
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    return capability in ("AVX2", "AVX512")
+    return capability in _ISAS[isa][0]
 
 
-def _build(name: str, source: Path) -> ModuleType:
+def _build(name: str, source: Path, isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     sha = hashlib.sha1(source.read_bytes())
@@ -44,7 +51,7 @@ def _build(name: str, source: Path) -> ModuleType:
     return load(
         name=f"hf_accel_{name}",
         sources=[str(source)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_cflags=["-O3", *_ISAS[isa][1], "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(_INCLUDE)],
         build_directory=str(build_dir),
@@ -52,25 +59,26 @@ def _build(name: str, source: Path) -> ModuleType:
     )
 
 
-def load_extension(name: str, source: Path) -> ModuleType | None:
+def load_extension(name: str, source: Path, isa: str = "avx2") -> ModuleType | None:
     """The compiled module ``name`` built from ``source``, or ``None``; cached per process.
 
     Args:
         name: a short identifier (``"int8_gemm"``, ``"paged_attention"``).
         source: the C++ file.
+        isa: the instruction set it is compiled for: ``"avx2"`` (AVX2 + FMA) or ``"avx512"``.
 
     Returns:
-        The module, or ``None`` when the CPU lacks AVX2 or the build failed (logged once, reason in
+        The module, or ``None`` when the CPU lacks ``isa`` or the build failed (logged once, reason in
         :func:`extension_status`).
     """
     if name not in _modules:
-        if not _cpu_has_avx2():
+        if not _cpu_supports(isa):
             _modules[name] = None
-            _status[name] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2"
+            _status[name] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks {isa.upper()}"
         else:
             try:
-                _modules[name] = _build(name, source)
-                _status[name] = "native AVX2 kernel"
+                _modules[name] = _build(name, source, isa)
+                _status[name] = f"native {isa.upper()} kernel"
             except (RuntimeError, OSError, ImportError) as err:  # no compiler / build failure
                 _modules[name] = None
                 _status[name] = f"native kernel build failed: {err}"
@@ -78,7 +86,7 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
     return _modules[name]
 
 
-def extension_status(name: str, source: Path) -> str:
+def extension_status(name: str, source: Path, isa: str = "avx2") -> str:
     """Why :func:`load_extension` returned what it did."""
-    load_extension(name, source)
+    load_extension(name, source, isa)
     return _status[name]

@@ -10,7 +10,7 @@ from torch import nn
 import hf_accel
 from hf_accel import CompileConfig, IncompatibleOptionsError
 from hf_accel.fused import FusedGatedMLP
-from hf_accel.fused.packed import PackedLinear, packing_unavailable, unpack_linears
+from hf_accel.fused.packed import PackedLinear, packing_unavailable, panel_kernel, unpack_linears
 from hf_accel.speculative import SelfSpeculative
 
 EAGER_TRACE = CompileConfig(backend="eager", mlp=True)  # dynamo tracing without Inductor: quick, same graph logic
@@ -54,12 +54,22 @@ def test_packing_unavailable_says_why():
 # ---------------------------------------------------------------- (b) modules
 
 
+LAYOUTS = ["onednn", "panel"]
+needs_panel = pytest.mark.skipif(panel_kernel() is None, reason="the panel kernel needs an AVX-512 CPU")
+
+
+def _layout_marks(layout: str):
+    return pytest.param(layout, marks=needs_panel) if layout == "panel" else layout
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (4, 37)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(shape, bias):
+@pytest.mark.parametrize("layout", [_layout_marks(x) for x in LAYOUTS])
+def test_packed_linear_matches_linear(shape, bias, layout):
     torch.manual_seed(0)
     linear = nn.Linear(576, 1536, bias=bias)
-    packed = PackedLinear.from_module(linear)
+    packed = PackedLinear.from_module(linear, layout=layout)
+    assert packed.layout == layout
     x = torch.randn(*shape, 576)
     with torch.no_grad():
         assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-4, name="packed vs F.linear")  # fp32
@@ -71,6 +81,30 @@ def test_packed_linear_matches_linear(shape, bias):
     assert torch.equal(twin.dense_weight(), linear.weight) and (not bias or twin.bias is not linear.bias)
     with torch.no_grad():
         assert torch.equal(twin(x), packed(x))
+
+
+@needs_panel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 64, 300])
+@pytest.mark.parametrize(("k", "n"), [(576, 1536), (1536, 576), (576, 192), (100, 48)])
+def test_panel_kernel_every_row_count(rows, k, n):
+    """Every tile shape of the kernel (1, 2, 4-row tiles with 1-3 row remainders; 6, 1-panel leftovers)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(k, n, bias=rows % 2 == 1)
+    packed = PackedLinear.from_module(linear, layout="panel")
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-4, name=f"panel M={rows}")  # fp32, order only
+
+
+def test_layout_choice_and_errors():
+    assert PackedLinear.from_module(nn.Linear(8, 16, dtype=torch.bfloat16)).layout == "onednn"  # fp32 kernel only
+    assert PackedLinear.from_module(nn.Linear(8, 12)).layout == "onednn"  # 12 outputs: not whole panels
+    with pytest.raises(ValueError, match=r"layout must be one of \('auto', 'panel', 'onednn'\), got 'fast'"):
+        PackedLinear.from_module(nn.Linear(8, 16), layout="fast")
+    with pytest.raises(ValueError, match="cannot pack this linear in panels: out_features 12 is not a multiple of 16"):
+        PackedLinear.from_module(nn.Linear(8, 12), layout="panel")
+    expected = "panel" if panel_kernel() is not None else "onednn"
+    assert PackedLinear.from_module(nn.Linear(8, 16)).layout == expected
 
 
 def test_packed_linear_bfloat16():

@@ -1,25 +1,56 @@
-"""``PackedLinear``: a linear layer whose weight is pre-packed in oneDNN's blocked layout (CPU).
+"""``PackedLinear``: a linear layer whose weight is pre-packed once for fast skinny products (CPU).
 
 PyTorch's eager ``F.linear`` hands a plain row-major weight to MKL on every call; for the skinny products of
-decoding (one or a few activation rows) MKL streams it at 15-16 GB/s on this machine, while oneDNN with a
-weight re-ordered once for its kernels reaches 50-56 GB/s (``docs/compile.md``). This is what Inductor's
-weight "freezing" does inside a compiled graph; here it is done once per module, eagerly, so it also helps
-uncompiled code. The values are the same fp32/bf16 numbers in another order (``to_dense`` gives them back
-bitwise); results differ from ``F.linear`` only by summation order.
+decoding (one or a few activation rows) MKL streams it at 15-16 GB/s on this machine. Two packed layouts:
 
-The packed tensor has an opaque (``torch._mkldnn``) layout; Inductor cannot lower the oneDNN op on it, so
-inside ``torch.compile`` the call goes through a custom op (``hf_accel::packed_linear``) defined on first use.
+* ``"panel"`` (fp32 on AVX-512 CPUs): hf_accel's own kernel (``csrc/skinny_gemm.cpp``) over the weight in
+  panels of 16 output features, ``[N/16, K, 16]``. Decode-sized products run 1.3-2.3x faster than oneDNN's
+  packed GEMM here (``docs/compile.md``), larger ones on par; a plain strided tensor, so it deep-copies,
+  and Inductor passes it through unchanged.
+* ``"onednn"`` (otherwise): the weight re-ordered once for oneDNN's kernels (what Inductor's weight "freezing"
+  does inside a compiled graph, done here per module, eagerly, so it also helps uncompiled code).
+
+The values are the same fp32/bf16 numbers in another order (``dense_weight`` gives them back bitwise); results
+differ from ``F.linear`` only by summation order. Inside ``torch.compile`` the call goes through a custom op
+(``hf_accel::packed_linear``, defined on first use): Inductor cannot lower either kernel itself.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "unpack_linears"]
+from .._ext import extension_status, load_extension
+
+__all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "panel_kernel", "unpack_linears"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
+LAYOUTS = ("auto", "panel", "onednn")
+
+
+def panel_kernel() -> ModuleType | None:
+    """The AVX-512 panel GEMM, or ``None`` where it cannot be had (reason: :func:`panel_status`)."""
+    return load_extension("skinny_gemm", _SOURCE, isa="avx512")
+
+
+def panel_status() -> str:
+    return extension_status("skinny_gemm", _SOURCE, isa="avx512")
+
+
+def _panel_unavailable(weight: torch.Tensor) -> str | None:
+    if weight.dtype != torch.float32:
+        return f"the panel kernel is float32 only, got {weight.dtype}"
+    if weight.shape[0] % 16:
+        return f"out_features {weight.shape[0]} is not a multiple of 16"
+    if panel_kernel() is None:
+        return panel_status()
+    return None
+
 
 _OP_LOCK = threading.Lock()
 _OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registration at import time
@@ -37,8 +68,10 @@ def packing_unavailable(weight: torch.Tensor) -> str | None:
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
-    del out_features  # the fake implementation needs it; the real op reads it from ``packed``
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.layout == torch._mkldnn:  # oneDNN's opaque layout
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y = panel_kernel().linear(x.reshape(-1, x.shape[-1]), packed, bias)  # type: ignore[union-attr]  # [M, N]
+    return y.view(*x.shape[:-1], out_features)
 
 
 def define_compiled_op():
@@ -80,28 +113,47 @@ class PackedLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
 
+    @property
+    def layout(self) -> str:
+        """``"panel"`` (hf_accel's AVX-512 kernel) or ``"onednn"``."""
+        return "onednn" if self.packed.layout == torch._mkldnn else "panel"
+
     @classmethod
-    def from_module(cls, linear: nn.Linear, batch_hint: int = 1) -> PackedLinear:
+    def from_module(cls, linear: nn.Linear, batch_hint: int = 1, layout: str = "auto") -> PackedLinear:
         """Pack ``linear``'s weight (the bias parameter is shared, not copied).
 
         Args:
             linear: a plain ``nn.Linear`` on CPU in float32/bfloat16.
-            batch_hint: the activation rows oneDNN tunes the layout for (decode: the batch size).
+            batch_hint: the activation rows oneDNN tunes its layout for (decode: the batch size).
+            layout: ``"auto"`` (``"panel"`` where the AVX-512 kernel runs this weight, else ``"onednn"``),
+                ``"panel"`` or ``"onednn"``.
 
         Raises:
             TypeError: not an ``nn.Linear``.
-            ValueError: the weight cannot be packed (device, dtype or build; the message says which).
+            ValueError: the weight cannot be packed (device, dtype or build; the message says which), or the
+                requested layout is not available for it.
         """
         if type(linear) is not nn.Linear:
             raise TypeError(f"PackedLinear.from_module needs an nn.Linear, got {type(linear).__name__}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         why = packing_unavailable(linear.weight)
         if why is not None:
             raise ValueError(f"cannot pack this linear: {why}")
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        weight = linear.weight.detach()
+        no_panel = _panel_unavailable(weight) if layout != "onednn" else "onednn requested"
+        if layout == "panel" and no_panel is not None:
+            raise ValueError(f"cannot pack this linear in panels: {no_panel}")
+        if no_panel is None:
+            packed = panel_kernel().pack(weight)  # type: ignore[union-attr]  # [N / 16, K, 16]
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         return cls(packed, linear.bias, linear.in_features, linear.out_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight in the usual layout (bitwise the values that were packed)."""
+        if self.layout == "panel":
+            return self.packed.transpose(1, 2).reshape(self.out_features, self.in_features)
         return self.packed.to_dense()
 
     def to_linear(self) -> nn.Linear:
@@ -116,7 +168,10 @@ class PackedLinear(nn.Module):
     def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
         # the opaque oneDNN tensor has no storage to copy: re-pack the dense values
         bias = copy.deepcopy(self.bias, memo)
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(), 1)
+        if self.layout == "panel":
+            packed = self.packed.clone()
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(), 1)
         new = PackedLinear(packed, bias, self.in_features, self.out_features)
         new.train(self.training)
         memo[id(self)] = new
@@ -133,7 +188,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"dtype={self.packed.dtype}"
+            f"dtype={self.packed.dtype}, layout={self.layout}"
         )
 
 

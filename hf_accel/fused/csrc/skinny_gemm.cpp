@@ -1,0 +1,107 @@
+// fp32 y = x @ W^T (+ b) for a weight packed in panels of 16 output features, AVX-512.
+//
+// Layout: W [N, K] becomes P = N / 16 panels, each [K, 16] contiguous ([P, K, 16] in all): step k of a panel is
+// one 64-byte vector holding W[16p .. 16p + 15, k]. A tile of NP panels (16 * NP outputs) is computed for MT
+// activation rows at a time in MT * NP zmm accumulators: per k, NP weight vectors are loaded once and FMA'd
+// against MT broadcast activations. Tiles are split over threads; every row chunk of a tile reuses its panels
+// from L1/L2, so the weights stream from memory once per call whatever the number of rows.
+//
+// Decode (1-4 rows) is bound by how fast the weights are read: wide tiles (NP = 8 / 6 / 6) keep enough
+// independent accumulators in flight to hide FMA latency. Summation over k is sequential per output, so
+// results differ from other GEMMs only by rounding order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+template <int MT, int NP>
+inline void tile(const float* __restrict x, int64_t K, const float* const* w, const float* bias,
+                 float* __restrict y, int64_t N) {
+  __m512 acc[MT][NP];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w[j] + k * 16);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NP; ++j) {
+      __m512 v = acc[m][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
+      _mm512_storeu_ps(y + m * N + j * 16, v);
+    }
+}
+
+// All M rows against one tile of NP panels, MT rows at a time (the remainder with a smaller MT).
+template <int NP, int MT>
+void rows(const float* x, int64_t M, int64_t K, const float* const* w, const float* bias, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + MT <= M; m += MT) tile<MT, NP>(x + m * K, K, w, bias, y + m * N, N);
+  const int64_t r = M - m;
+  if constexpr (MT > 1) if (r == 1) tile<1, NP>(x + m * K, K, w, bias, y + m * N, N);
+  if constexpr (MT > 2) if (r == 2) tile<2, NP>(x + m * K, K, w, bias, y + m * N, N);
+  if constexpr (MT > 3) if (r == 3) tile<3, NP>(x + m * K, K, w, bias, y + m * N, N);
+}
+
+template <int NP, int MT>
+void run(const float* x, int64_t M, int64_t K, const float* wp, int64_t panels, const float* bias, float* y) {
+  const int64_t N = panels * 16;
+  const int64_t tiles = panels / NP;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* w[NP];
+      for (int j = 0; j < NP; ++j) w[j] = wp + (t * NP + j) * K * 16;
+      rows<NP, MT>(x, M, K, w, bias ? bias + t * NP * 16 : nullptr, y + t * NP * 16, N);
+    }
+  });
+  for (int64_t p = tiles * NP; p < panels; ++p) {  // panels left over: one at a time
+    const float* w[1] = {wp + p * K * 16};
+    rows<1, MT>(x, M, K, w, bias ? bias + p * 16 : nullptr, y + p * 16, N);
+  }
+}
+
+}  // namespace
+
+// W [N, K] -> [N / 16, K, 16] (N a multiple of 16).
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "pack: need a [N, K] weight with N a multiple of 16");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "pack: float32 only");
+  const auto N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] contiguous float32, packed [N / 16, K, 16], bias [N] or None -> [M, N].
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16, "linear: bad shapes");
+  TORCH_CHECK(x.size(1) == packed.size(1), "linear: in_features mismatch");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "linear: float32 only");
+  TORCH_CHECK(packed.is_contiguous(), "linear: packed weight must be contiguous");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
+  auto y = torch::empty({M, panels * 16}, xc.options());
+  const float* b = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == panels * 16 && bc.scalar_type() == torch::kFloat32, "linear: bad bias");
+    b = bc.data_ptr<float>();
+  }
+  if (M == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M == 1) run<8, 1>(xp, M, K, wp, panels, b, yp);
+  else if (M == 2) run<6, 2>(xp, M, K, wp, panels, b, yp);
+  else run<6, 4>(xp, M, K, wp, panels, b, yp);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
+  m.def("linear", &linear, "x @ W^T + b with a panel-packed weight (AVX-512)");
+}
