@@ -38,3 +38,29 @@ def test_fuse_weights_rejects_mismatched_projections():
         FusedGatedMLP.fuse_weights(torch.nn.Linear(8, 16), torch.nn.Linear(8, 12))
     with pytest.raises(ValueError, match="both have a bias or both have none"):
         FusedGatedMLP.fuse_weights(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16, bias=False))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (4, 37)])
+def test_from_module_every_architecture(arch, shape):
+    """``FusedGatedMLP.from_module`` recognises each registry architecture's MLP without being told which."""
+    model = tiny_model(arch)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(*shape, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = mlp(x)
+        copied = FusedGatedMLP.from_module(mlp, share=False)
+        assert_close(copied(x), expected, atol=1e-5, rtol=1e-4, name=f"{arch} copy")  # fp32
+        fused = FusedGatedMLP.from_module(mlp)
+        assert_close(fused(x), expected, atol=1e-5, rtol=1e-4, name=f"{arch} shared")  # fp32
+        assert torch.equal(mlp(x), expected)  # the original still computes the same (its params are views now)
+    fused_ptr = fused.gate_up_weight.data_ptr()
+    if hasattr(mlp, "gate_proj"):  # split projections now view the fused weight: stored once
+        assert mlp.gate_proj.weight.data_ptr() == fused_ptr
+        assert copied.gate_up_weight.data_ptr() != mlp.gate_proj.weight.data_ptr()
+    else:  # Phi-3's upstream-fused projection is used as it is
+        assert mlp.gate_up_proj.weight.data_ptr() == fused_ptr
+
+
+def test_from_module_rejects_unknown_modules():
+    with pytest.raises(TypeError, match=r"Linear is not a gated MLP hf_accel knows: expected attributes "):
+        FusedGatedMLP.from_module(torch.nn.Linear(4, 4))

@@ -27,23 +27,14 @@ FEATURE = "fused_mlp"
 
 
 def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedMLP:
-    down = get_attr_path(mlp, spec.down_proj)
-    act = get_attr_path(mlp, spec.act_fn)
-    if spec.gate_up_proj is not None:  # already fused upstream (Phi-3): share the parameter as is
-        gate_up = get_attr_path(mlp, spec.gate_up_proj)
-        return FusedGatedMLP(gate_up.weight, gate_up.bias, down, act)
-    gate = get_attr_path(mlp, spec.gate_proj)
-    up = get_attr_path(mlp, spec.up_proj)
-    weight, bias = FusedGatedMLP.fuse_weights(gate, up)
-    rows = gate.weight.shape[0]
-    # The originals become views into the fused tensor, so the weights exist once in memory.
-    recorder.set_param_data(FEATURE, gate.weight, weight.data[:rows], "gate_proj weight shared")
-    recorder.set_param_data(FEATURE, up.weight, weight.data[rows:], "up_proj weight shared")
-    if bias is not None:
-        recorder.set_param_data(FEATURE, gate.bias, bias.data[:rows], "gate_proj bias shared")
-        recorder.set_param_data(FEATURE, up.bias, bias.data[rows:], "up_proj bias shared")
-    fused = FusedGatedMLP(weight, bias, down, act)
-    fused.weight_aliases = [(gate.weight, 0, rows), (up.weight, rows, 2 * rows)]
+    fused = FusedGatedMLP.from_module(mlp, spec, share=False)
+    # The originals become views into the fused tensor, so the weights exist once in memory (recorded).
+    weight, bias = fused.gate_up_proj.weight, fused.gate_up_proj.bias
+    for (param, start, stop), what in zip(fused.weight_aliases, ("gate_proj", "up_proj"), strict=False):
+        recorder.set_param_data(FEATURE, param, weight.data[start:stop], f"{what} weight shared")
+        if bias is not None:
+            owner = get_attr_path(mlp, spec.gate_proj if what == "gate_proj" else spec.up_proj)
+            recorder.set_param_data(FEATURE, owner.bias, bias.data[start:stop], f"{what} bias shared")
     return fused
 
 

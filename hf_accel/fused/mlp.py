@@ -7,6 +7,8 @@ single tensor whose two halves *are* the original ``gate_proj``/``up_proj`` para
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -49,6 +51,60 @@ class FusedGatedMLP(nn.Module):
         #: original parameters that are views of rows ``[start, stop)`` of the fused weight (set by the adapter),
         #: so code that re-lays the fused weight out can re-point them too.
         self.weight_aliases: list[tuple[nn.Parameter, int, int]] = []
+
+    #: MLP attribute layouts of the registry's architectures: (gate, up, fused gate_up, down, activation)
+    LAYOUTS: tuple[tuple[str | None, str | None, str | None, str, str], ...] = (
+        ("gate_proj", "up_proj", None, "down_proj", "act_fn"),  # Llama, Mistral, Qwen, Gemma, OLMo 2, Granite
+        (None, None, "gate_up_proj", "down_proj", "activation_fn"),  # Phi-3
+    )
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, spec: Any = None, share: bool = True) -> FusedGatedMLP:
+        """A fused equivalent of a gated MLP module (the activation is the module's own: SiLU, GELU-tanh, ...).
+
+        Args:
+            mlp: a gated MLP with ``gate``/``up``/``down`` projections and an activation module.
+            spec: where its parts are (an :class:`hf_accel.registry.ArchSpec`); ``None`` recognises every
+                registry architecture's layout by attribute names.
+            share: make the original gate/up parameters views into the fused weight, so the weights exist once
+                in memory (values unchanged); ``False`` leaves the original untouched and copies them.
+
+        Returns:
+            The fused module; it shares ``down_proj`` and the activation with ``mlp``.
+
+        Raises:
+            TypeError: ``mlp`` does not have a known gated-MLP layout.
+
+        Side effects:
+            With ``share``, ``mlp``'s gate/up parameters are re-pointed (their values stay bitwise the same).
+        """
+        gate_name, up_name, fused_name, down_name, act_name = cls._layout(mlp, spec)
+        down, act = getattr(mlp, down_name), getattr(mlp, act_name)
+        if fused_name is not None:  # already fused upstream (Phi-3): share the parameter as is
+            gate_up = getattr(mlp, fused_name)
+            return cls(gate_up.weight, gate_up.bias, down, act)
+        gate, up = getattr(mlp, gate_name), getattr(mlp, up_name)
+        weight, bias = cls.fuse_weights(gate, up)
+        fused = cls(weight, bias, down, act)
+        rows = gate.weight.shape[0]
+        fused.weight_aliases = [(gate.weight, 0, rows), (up.weight, rows, 2 * rows)]
+        if share:
+            gate.weight.data, up.weight.data = weight.data[:rows], weight.data[rows:]
+            if bias is not None:
+                gate.bias.data, up.bias.data = bias.data[:rows], bias.data[rows:]
+        return fused
+
+    @classmethod
+    def _layout(cls, mlp: nn.Module, spec: Any) -> tuple[str | None, str | None, str | None, str, str]:
+        if spec is not None:
+            return spec.gate_proj, spec.up_proj, spec.gate_up_proj, spec.down_proj, spec.act_fn
+        for layout in cls.LAYOUTS:
+            if all(name is None or hasattr(mlp, name) for name in layout):
+                return layout
+        raise TypeError(
+            f"{type(mlp).__name__} is not a gated MLP hf_accel knows: expected attributes "
+            + " or ".join("/".join(n for n in layout if n) for layout in cls.LAYOUTS)
+        )
 
     @classmethod
     def fuse_weights(cls, gate: nn.Linear, up: nn.Linear) -> tuple[nn.Parameter, nn.Parameter | None]:
