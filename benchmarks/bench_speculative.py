@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """Speculative generation on the real model: tokens/s of each strategy vs plain generate, same run.
 
-    python benchmarks/bench_speculative.py [--new-tokens 128] [--batch 1 4] [--tasks grounded chat]
+    python benchmarks/bench_speculative.py [--new-tokens 128] [--batch 1 4] [--tasks grounded chat] [--compile]
 
 Tasks: ``grounded`` (rewrite a given ~400-token passage: the answer copies much of the prompt) and ``chat``
 (free-form questions). Strategies: hf_accel's prompt lookup and int8 self-speculation, and at batch 1
 Transformers' own ``prompt_lookup_num_tokens=10`` and ``assistant_model`` (a copy of the model). Greedy
 throughout: every output is checked token-identical to plain generate. Tokens/s counts generated tokens
 (not padding) over the whole call, prefill included; median of ``--repeats``.
+
+``--compile`` patches with ``compile=True`` as well (pre-packed linears, docs/compile.md): "plain generate" is
+then the packed model without speculation, and a first row "plain generate, unpatched" gives the ratio against
+the user's original model; self-speculation and Transformers' methods are skipped (they copy or bypass the
+packed linears).
 """
 
 from __future__ import annotations
@@ -67,12 +72,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tasks", nargs="+", choices=["grounded", "chat"], default=["grounded", "chat"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="also patch with compile=True (packed linears)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, tok = hf_accel.load_default(torch.float32)
     tok.padding_side = "left"
     assistant = copy.deepcopy(model)
-    hf_accel.patch_model(model)
+    hf_accel.patch_model(model, compile=args.compile)
     self_spec = SelfSpeculative("int8")
     combo = Composite(PromptLookup(num_tokens=10), self_spec)
     print("| task | batch | method | tokens/s | vs plain | identical | acceptance | tokens/forward |")
@@ -88,22 +94,30 @@ def main() -> None:
                 "hf_accel self-spec (int8 copy)": {"speculative": self_spec},
                 "hf_accel prompt lookup, else self-spec": {"speculative": combo, "paged": True},
             }
-            if batch == 1:
+            if batch == 1 and not args.compile:
                 methods["Transformers prompt_lookup_num_tokens=10"] = {"prompt_lookup_num_tokens": 10}
                 methods["Transformers assistant_model (copy)"] = {"assistant_model": assistant}
-            run(model, inputs, 4)  # warm-up
             results = {}
+            if args.compile:
+                for name in ("hf_accel self-spec (int8 copy)", "hf_accel prompt lookup, else self-spec"):
+                    del methods[name]
+                run(assistant, inputs, 4)
+                samples = [run(assistant, inputs, args.new_tokens) for _ in range(args.repeats)]
+                results["plain generate, unpatched"] = (statistics.median(x[0] for x in samples), samples[0][1], None)
+            run(model, inputs, 4)  # warm-up
             for name, kwargs in methods.items():
                 run(model, inputs, 4, **kwargs)
                 samples = [run(model, inputs, args.new_tokens, **kwargs) for _ in range(args.repeats)]
                 rate = statistics.median(s[0] for s in samples)
                 results[name] = (rate, samples[0][1], samples[0][2])
             base_rate, base_out, _ = results["plain generate"]
+            first_rate = next(iter(results.values()))[0]
             for name, (rate, out, stats) in results.items():
                 same = "yes" if torch.equal(out, base_out) else "NO"
                 acc = f"{stats['acceptance_rate']:.2f}" if stats else "-"
                 tpf = f"{stats['tokens_per_forward']:.2f}" if stats else "-"
-                print(f"| {task} | {batch} | {name} | {rate:.1f} | {rate / base_rate:.2f}x | {same} | {acc} | {tpf} |")
+                vs = f"{rate / base_rate:.2f}x" + (f" ({rate / first_rate:.2f}x unpatched)" if args.compile else "")
+                print(f"| {task} | {batch} | {name} | {rate:.1f} | {vs} | {same} | {acc} | {tpf} |")
 
 
 if __name__ == "__main__":
