@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -351,3 +355,21 @@ def test_engine_on_models_with_other_features(features):
     refs = [reference(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts]
     seqs = model.generate_many(prompts, max_new_tokens=8, eos_token_id=None)
     assert [s.tolist()[len(p) :] for s, p in zip(seqs, prompts, strict=True)] == refs
+
+
+def test_script_that_never_stops_its_engine_exits_cleanly(tmp_path):
+    """A background loop left running at interpreter exit ends between steps (no abort, exit code 0)."""
+    script = tmp_path / "forgot_stop.py"
+    script.write_text(
+        "import hf_accel\n"
+        "from helpers import tiny_model\n"
+        "model = hf_accel.patch_model(tiny_model('llama'))\n"
+        "engine = hf_accel.Engine(model, paged=hf_accel.PagedConfig(num_blocks=64, block_size=4)).start()\n"
+        "for _ in range(6):\n"
+        "    engine.add_request([5, 6, 7, 8] * 5, max_new_tokens=40, eos_token_id=None)\n"
+        "print('leaving')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "leaving"

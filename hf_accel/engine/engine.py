@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,6 +45,13 @@ class UnknownRequestError(IncompatibleOptionsError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0])
+
+
+def _end_loop_at_exit(lock: threading.Condition, flag: list[bool], thread: threading.Thread) -> None:
+    with lock:
+        flag[0] = True
+        lock.notify_all()
+    thread.join(timeout=30)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -121,6 +129,7 @@ class Engine:
         self._next_id = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._exit = [False]  # set at interpreter exit (shared with the finalizer, which must not hold self)
         self.steps = 0
         self.forward_tokens = 0
 
@@ -281,6 +290,9 @@ class Engine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="hf_accel-engine", daemon=True)
             self._thread.start()
+            # a script that ends without stop(): end the loop between steps before the interpreter tears down
+            # (a daemon thread killed inside a torch kernel aborts the process)
+            weakref.finalize(self, _end_loop_at_exit, self._lock, self._exit, self._thread)
         return self
 
     def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
@@ -305,7 +317,11 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._inbox or self._cancels or self.scheduler.has_work() or self._closed)
+                self._lock.wait_for(
+                    lambda: self._inbox or self._cancels or self.scheduler.has_work() or self._closed or self._exit[0]
+                )
+                if self._exit[0]:
+                    return
                 if self._closed and not self._inbox and not self._cancels and not self.scheduler.has_work():
                     return
             try:
