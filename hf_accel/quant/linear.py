@@ -34,7 +34,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scale", qw.scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self._kernel = native_kernel() if qw.group_size % 8 == 0 else None
+        self._kernel = native_kernel(qw.group_size)
 
     @classmethod
     def from_module(cls, linear: nn.Module, group_size: int | None = None) -> Int8Linear:
