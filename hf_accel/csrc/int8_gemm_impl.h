@@ -1,0 +1,83 @@
+// Weight-only int8 matmul for small M (decode): y[M, N] = x[M, K] @ (q[N, K] * scale[N, G])^T.
+//
+// One algorithm for every vector width V (a traits struct defined by the including file, compiled for its
+// instruction set): int8 weights are sign-extended to int32, converted to float in registers and FMA'd with the
+// fp32 activations; four output rows per tile share each activation load, and each converted weight vector
+// serves up to four activation rows; software prefetch runs ahead in the weights; per-group partial sums are
+// scaled once per group; tiles are split over threads.
+//
+// V provides: type F, kLanes, zero(), load(const float*), load_w(const int8_t*) (kLanes int8 -> float),
+// fma(a, b, c), set1(float), sum(F), and kName.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace hf_accel {
+
+constexpr int64_t kInt8Rows = 4;        // weight (output) rows per tile
+constexpr int64_t kInt8Prefetch = 1024;  // bytes ahead in each weight row
+
+template <class V, int MR>
+void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
+               int64_t group, int64_t G, int64_t ldy) {
+  using F = typename V::F;
+  F acc[MR][kInt8Rows];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < kInt8Rows; ++r) acc[m][r] = V::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    F part[MR][kInt8Rows];
+    for (int m = 0; m < MR; ++m)
+      for (int64_t r = 0; r < kInt8Rows; ++r) part[m][r] = V::zero();
+    const int64_t k0 = g * group;
+    for (int64_t k = k0; k < k0 + group; k += V::kLanes) {
+      F xv[MR];
+      for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* row = q + r * K;
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + kInt8Prefetch), _MM_HINT_T0);
+        const F w = V::load_w(row + k);
+        for (int m = 0; m < MR; ++m) part[m][r] = V::fma(xv[m], w, part[m][r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const F s = V::set1(scale[r * G + g]);
+      for (int m = 0; m < MR; ++m) acc[m][r] = V::fma(part[m][r], s, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]);
+}
+
+// x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
+template <class V>
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2, "int8_linear: expected 2-D x, q, scale");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && q.scalar_type() == torch::kChar &&
+                  scale.scalar_type() == torch::kFloat, "int8_linear: dtypes must be float32, int8, float32");
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "int8_linear: needs contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
+  TORCH_CHECK(q.size(1) == K && scale.size(0) == N && K % G == 0, "int8_linear: shape mismatch");
+  const int64_t group = K / G;
+  TORCH_CHECK(group % V::kLanes == 0, "int8_linear (", V::kName, "): group size must be a multiple of ", V::kLanes);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kInt8Rows - 1) / kInt8Rows;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kInt8Rows, rows = std::min(kInt8Rows, N - n0);
+      const int8_t* qt = qp + n0 * K;
+      const float* st = sp + n0 * G;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) int8_tile<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+      for (; m + 2 <= M; m += 2) int8_tile<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+      for (; m < M; ++m) int8_tile<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace hf_accel
