@@ -2,7 +2,7 @@
 """Continuous batching (hf_accel.Engine) on the real model: total throughput and latency vs three baselines.
 
     python benchmarks/bench_engine.py [--requests 32] [--min-prompt 20] [--max-prompt 1000]
-                                      [--min-new 16] [--max-new 256] [--max-running 16] [--skip-hf]
+                                      [--min-new 16] [--max-new 256] [--max-running 32] [--skip-hf] [--compile]
 
 Workload: ``--requests`` requests, prompt lengths spread evenly over ``min..max-prompt`` tokens (slices of a real
 English text), output lengths over ``min..max-new`` tokens (EOS disabled, so every method generates exactly the
@@ -11,7 +11,7 @@ requested tokens), in shuffled order, all submitted at once. Methods, in this on
 (a) padded-batch ``generate`` in batches of 8 (arrival order): a batch runs until its longest request is done;
 (b) Transformers' continuous batching (``init_continuous_batching`` manager, per-request ``max_new_tokens``);
 (c) sequential ``generate``, one request at a time;
-(d) ``hf_accel.Engine`` on the patched model.
+(d) ``hf_accel.Engine`` on the patched model (with ``--compile``, also on a ``compile=True`` patch).
 
 Throughput counts only the requested output tokens. Latency: time to first token and time per output token
 (p50/p90 over requests; for (a) and (c) a request's clock starts when the whole workload is submitted, like (b)
@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true", help="skip Transformers' continuous batching")
     parser.add_argument("--skip-sequential", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="also run the Engine on a compile=True patch")
     args = parser.parse_args()
 
     model, tok = hf_accel.load_default(torch.float32)
@@ -201,6 +202,13 @@ def main() -> None:
         row, seq_outs = run_sequential(baseline_model, work)
         rows.append(row)
         print(row, flush=True)
+    if args.compile:  # the Engine on pre-packed linears (docs/compile.md); the default Engine row stays last
+        hf_accel.patch_model(model, compile=True)
+        row, _, _ = run_engine(model, work, args)
+        row["method"] = "hf_accel Engine + compile=True"
+        rows.append(row)
+        print(row, flush=True)
+        hf_accel.unpatch_model(model)
     hf_accel.patch_model(model)
     row, outs, engine = run_engine(model, work, args)
     rows.append(row)

@@ -373,3 +373,13 @@ def test_script_that_never_stops_its_engine_exits_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "leaving"
+
+
+def test_finished_outputs_are_kept_up_to_keep_finished():
+    model = hf_accel.patch_model(tiny_model("llama"))
+    engine = Engine(model, max_batch_tokens=32, max_running=4, paged=small_pool(), keep_finished=3)
+    ids = [engine.add_request(p, max_new_tokens=2, eos_token_id=None) for p in prompts_of(5, seed=14)]
+    engine.run_until_done()
+    assert [engine.result(i).finish_reason for i in ids[2:]] == ["length"] * 3  # the 3 newest are kept
+    with pytest.raises(UnknownRequestError, match=r"unknown request id 0 \(never returned by add_request, or fin"):
+        engine.result(ids[0])

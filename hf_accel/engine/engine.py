@@ -13,6 +13,7 @@ itself) or the background thread of :meth:`start`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -70,6 +71,8 @@ class Engine:
         max_running: requests decoding together.
         paged: the pool (:class:`~hf_accel.PagedConfig`); default: the patched model's paged config with the prefix
             cache on.
+        keep_finished: outputs of finished requests kept for :meth:`result` / :meth:`stream`; beyond it the oldest
+            are forgotten (a long-running engine does not grow without bound).
 
     Raises:
         NotPatchedError: the model is not patched, or patched without the ``paged`` feature.
@@ -90,6 +93,7 @@ class Engine:
         max_batch_tokens: int = 1024,
         max_running: int = 16,
         paged: PagedConfig | None = None,
+        keep_finished: int = 10_000,
     ) -> None:
         from ..patch import _get_state
 
@@ -99,7 +103,8 @@ class Engine:
             raise NotPatchedError(
                 "Engine drives a model patched with the paged feature: call hf_accel.patch_model(model) first"
             )
-        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+        limits = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "keep_finished": keep_finished}
+        for name, value in limits.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise IncompatibleOptionsError(f"Engine.{name} must be an int >= 1, got {value!r}")
         if max_batch_tokens < max_running:
@@ -125,6 +130,8 @@ class Engine:
         self._inbox: list[tuple[Tracked, SeqState]] = []
         self._cancels: list[int] = []
         self._requests: dict[int, Tracked] = {}
+        self._finished: collections.deque[int] = collections.deque()  # ids in the order they finished
+        self.keep_finished = keep_finished
         self._states: dict[int, SeqState] = {}
         self._next_id = 0
         self._closed = False
@@ -223,7 +230,10 @@ class Engine:
         try:
             return self._requests[request_id]
         except KeyError:
-            raise UnknownRequestError(f"unknown request id {request_id!r}") from None
+            raise UnknownRequestError(
+                f"unknown request id {request_id!r} (never returned by add_request, or finished and forgotten after "
+                "keep_finished newer ones)"
+            ) from None
 
     def result(self, request_id: int) -> RequestOutput:
         """The request's output so far (complete once ``finish_reason`` is set)."""
@@ -417,6 +427,9 @@ class Engine:
         with self._lock:
             tracked.close(reason, error)
             self._states.pop(state.rid, None)
+            self._finished.append(state.rid)
+            while len(self._finished) > self.keep_finished:
+                self._requests.pop(self._finished.popleft(), None)
             self._lock.notify_all()
 
     # ----------------------------------------------------------------------------------- forward
