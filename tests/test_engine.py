@@ -383,3 +383,16 @@ def test_finished_outputs_are_kept_up_to_keep_finished():
     assert [engine.result(i).finish_reason for i in ids[2:]] == ["length"] * 3  # the 3 newest are kept
     with pytest.raises(UnknownRequestError, match=r"unknown request id 0 \(never returned by add_request, or fin"):
         engine.result(ids[0])
+
+
+def test_sampled_speculation_with_top_k_1_is_greedy():
+    """The rejection-sampling path with drafts: top-k 1 makes p one-hot, so it must reproduce greedy exactly."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompts = [p * 4 for p in prompts_of(2, seed=15, lo=8, hi=12)]
+    refs = [reference(model, p, max_new_tokens=20, eos_token_id=None) for p in prompts]
+    engine = Engine(model, max_batch_tokens=64, max_running=2, paged=small_pool(64))
+    kwargs = dict(max_new_tokens=20, eos_token_id=None, do_sample=True, top_k=1, prompt_lookup=True)
+    ids = [engine.add_request(p, **kwargs) for p in prompts]
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == refs
+    assert sum(outputs[i].accepted for i in ids) > 0  # drafts went through verify_sampling and were kept
