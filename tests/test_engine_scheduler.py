@@ -24,7 +24,8 @@ def fake_sample(sched, works, token=99):
     """What the engine does after a forward: sampling works gain one token."""
     for w in works:
         if w.sample:
-            sched.accept(w, [token], 0)
+            sched.accept(w, 0)
+            w.state.tokens.append(token)
 
 
 def test_fifo_admission_budget_and_chunked_prefill():
@@ -110,7 +111,8 @@ def test_drafts_use_only_leftover_budget_and_rejections_are_rolled_back():
     (w,) = works
     assert w.tokens == [99] and w.drafts == [7] * 7  # 8 - 1 decode token
     assert a.computed == 3 + 1 + 7
-    s.accept(w, [7, 7, 42], accepted=2)
+    s.accept(w, accepted=2)
+    a.tokens.extend([7, 7, 42])
     assert a.computed == 3 + 1 + 2 and s.manager.num_tokens(a.seq) == 6
     assert a.tokens[-4:] == [99, 7, 7, 42] and a.decoding
     s.manager.check_invariants()
@@ -147,7 +149,8 @@ def test_random_workloads_always_finish_and_free_the_pool(seed):
         for w in works:
             if w.sample:
                 accepted = rng.randint(0, len(w.drafts))
-                s.accept(w, [*w.drafts[:accepted], rng.randint(3, 6)], accepted)
+                s.accept(w, accepted)
+                w.state.tokens.extend([*w.drafts[:accepted], rng.randint(3, 6)])
                 if w.state.generated >= w.state.max_new_tokens:
                     s.finish(w.state)
                     done.add(w.state.rid)

@@ -14,6 +14,7 @@ itself) or the background thread of :meth:`start`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from torch import nn
 
 from ..config import PagedConfig
 from ..errors import IncompatibleOptionsError, NotPatchedError
+from ..generate import _device_of
 from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PAGED_ATTENTION_PREFIX, PagedCache
 from ..speculative.verify import verify_greedy, verify_sampling
@@ -53,12 +55,6 @@ def _end_loop_at_exit(lock: threading.Condition, flag: list[bool], thread: threa
         flag[0] = True
         lock.notify_all()
     thread.join(timeout=30)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 class Engine:
@@ -114,16 +110,10 @@ class Engine:
             )
         if paged is not None and not isinstance(paged, PagedConfig):
             raise IncompatibleOptionsError(f"Engine.paged must be a PagedConfig or None, got {type(paged).__name__}")
-        cfg = paged or PagedConfig(
-            block_size=state.config.paged.block_size,
-            num_blocks=state.config.paged.num_blocks,
-            max_memory=state.config.paged.max_memory,
-            prefix_cache=True,
-            attention=state.config.paged.attention,
-        )
+        cfg = paged or dataclasses.replace(state.config.paged, prefix_cache=True)
         self.model = model
         self.tokenizer = tokenizer
-        self.device = _model_device(model)
+        self.device = _device_of(model)
         self.cache = PagedCache.from_config(model, cfg)
         self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running, cfg.prefix_cache)
         self._lock = threading.Condition()
@@ -177,10 +167,10 @@ class Engine:
             rid = self._next_id
             self._next_id += 1
             state = SeqState(rid, list(ids), len(ids), spec.max_new_tokens, arrival=rid)
-            if state.prompt_len + state.max_new_tokens > self.scheduler.capacity:
+            if state.max_tokens > self.scheduler.capacity:
                 raise IncompatibleOptionsError(
                     f"prompt of {state.prompt_len} tokens + max_new_tokens={state.max_new_tokens} needs "
-                    f"{state.prompt_len + state.max_new_tokens} KV slots but the engine's pool holds "
+                    f"{state.max_tokens} KV slots but the engine's pool holds "
                     f"{self.scheduler.capacity}; give it a larger pool (paged=PagedConfig(num_blocks=...)) or lower "
                     "max_new_tokens"
                 )
@@ -437,8 +427,8 @@ class Engine:
         spec = self._requests[state.rid].spec
         if spec.lookup is None:
             return []
-        k = min(budget, spec.lookup.k.num_tokens)
-        return spec.lookup._lookup(torch.tensor(state.tokens), k).tokens.tolist()
+        (proposal,) = spec.lookup.propose([torch.tensor(state.tokens)], [min(budget, spec.lookup.k.num_tokens)])
+        return proposal.tokens.tolist()
 
     def _forward(self, works: list[Work]) -> dict[int, torch.Tensor]:
         """One packed forward; returns each sampling request's logits, ``[1 + drafts, V]`` float."""
@@ -504,7 +494,7 @@ class Engine:
             verdict = verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
         tracked.output.proposed += len(drafts)
         tracked.output.accepted += verdict.accepted
-        self.scheduler.accept(work, [], verdict.accepted)
+        self.scheduler.accept(work, verdict.accepted)
         for token in verdict.tokens:
             state.tokens.append(token)
             tracked.emit(token)

@@ -12,7 +12,6 @@ import copy
 import enum
 import queue
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,15 +135,6 @@ class Tracked:
         self.stream.put(error if error is not None else END)
         if self.spec.streamer is not None and error is None:
             self.spec.streamer.end()
-
-    def tokens(self) -> Iterator[int]:
-        """Drain the stream without blocking."""
-        while True:
-            try:
-                item = self.stream.get_nowait()
-            except queue.Empty:
-                return
-            yield item
 
 
 def _lookup(value: Any) -> PromptLookup | None:

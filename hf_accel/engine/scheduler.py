@@ -65,6 +65,11 @@ class SeqState:
         return len(self.tokens) - self.prompt_len
 
     @property
+    def max_tokens(self) -> int:
+        """KV slots the sequence needs at most: its prompt and every token it may generate."""
+        return self.prompt_len + self.max_new_tokens
+
+    @property
     def decoding(self) -> bool:
         """Only the last token lacks K/V: the next step samples a token."""
         return self.computed == len(self.tokens) - 1
@@ -139,11 +144,11 @@ class Scheduler:
         """
         if state.prompt_len < 1:
             raise ValueError("the prompt is empty: give at least one token")
-        need = state.prompt_len + state.max_new_tokens
-        if need > self.capacity:
+        if state.max_tokens > self.capacity:
             raise ValueError(
-                f"prompt of {state.prompt_len} tokens + max_new_tokens={state.max_new_tokens} needs {need} KV slots "
-                f"but the whole pool holds {self.capacity}; give the engine a larger pool or lower max_new_tokens"
+                f"prompt of {state.prompt_len} tokens + max_new_tokens={state.max_new_tokens} needs "
+                f"{state.max_tokens} KV slots but the whole pool holds {self.capacity}; "
+                "give the engine a larger pool or lower max_new_tokens"
             )
         state.phase = Phase.WAITING
         bisect.insort(self.waiting, state, key=lambda s: s.arrival)
@@ -265,17 +270,15 @@ class Scheduler:
             budget -= len(drafts)
 
     # ------------------------------------------------------------------------------------ after a step
-    def accept(self, work: Work, new_tokens: list[int], accepted: int) -> None:
-        """Record a sampled step: ``accepted`` drafts were kept and ``new_tokens`` appended to the sequence.
-
-        The K/V of rejected drafts is dropped from the pool.
+    def accept(self, work: Work, accepted: int) -> None:
+        """Record a sampled step: ``accepted`` of the step's drafts were kept; the K/V of the rejected ones is dropped
+        from the pool. The caller appends the step's tokens to ``work.state.tokens``.
         """
         state = work.state
         rejected = len(work.drafts) - accepted
         if rejected:
             state.computed -= rejected
             self.manager.truncate(state.seq, state.computed)  # type: ignore[arg-type]
-        state.tokens.extend(new_tokens)
 
     def publish_prompt(self, state: SeqState) -> None:
         """Publish the prompt's full blocks once they are computed (later requests with that prefix reuse them)."""

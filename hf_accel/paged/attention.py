@@ -193,10 +193,42 @@ def attend(
     """
     if _use_kernel(layer, query):
         t = step.tensors(layer.device)
-        return native_kernel().paged_attention(  # type: ignore[union-attr]
-            query, layer.keys, layer.values, t["block_tables"], t["q_pos"], scale, window, softcap
-        )
+        return _kernel_attention(layer, query, t["block_tables"], t["q_pos"], scale, window, softcap)
     return gather_attention(layer, query, key, value, step, scale, window, softcap)
+
+
+def _kernel_attention(
+    layer: PagedLayer,
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """The native kernel over the pool: ``query`` [B, H_q, Q, D], ``q_pos`` [B, Q] (-1: padding) -> [B, Q, H_q, D]."""
+    return native_kernel().paged_attention(  # type: ignore[union-attr]
+        query, layer.keys, layer.values, block_tables, q_pos, scale, window, softcap
+    )
+
+
+def _attend_row(
+    layer: PagedLayer,
+    step: _Step,
+    row: int,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    positions: list[int],
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """One row's queries ``q`` [H_q, r, D] at ``positions``: over its own new K/V (``k_new``/``v_new``
+    [H_kv, r, D]) when the chunk is its whole context (a fresh prompt: nothing is read back), else over its
+    context gathered from the pool. Returns [H_q, r, D]."""
+    k, v = (k_new, v_new) if step.fresh[row] else layer.context(row, step)
+    return dense_attention(q, k, v, positions, scale, window, softcap)
 
 
 def attend_packed(
@@ -224,30 +256,29 @@ def attend_packed(
         index = packed.short_index.to(query.device)  # [Rs, Qs]
         q = q_all[index].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
         if _use_kernel(layer, q):
-            o = native_kernel().paged_attention(  # type: ignore[union-attr]
-                q,
-                layer.keys,
-                layer.values,
-                packed.short_tables.to(query.device),
-                packed.short_q_pos.to(query.device),
-                scale,
-                window,
-                softcap,
-            )  # [Rs, Qs, H_q, D]
+            tables, q_pos = packed.short_tables.to(query.device), packed.short_q_pos.to(query.device)
+            o = _kernel_attention(layer, q, tables, q_pos, scale, window, softcap)  # [Rs, Qs, H_q, D]
             real = packed.short_real.to(query.device)
             out[index[real]] = o[real].to(out.dtype)
             done = set(packed.short)
             rest = [r for r in rest if r not in done]
     for row in rest:
         start, n = packed.offsets[row], packed.lengths[row]
-        q = query[0][:, start : start + n]  # [H_q, n, D]
-        if step.fresh[row]:
-            k, v = key[0][:, start : start + n], value[0][:, start : start + n]  # [H_kv, n, D]
-        else:
-            k, v = layer.context(row, step)  # [H_kv, S, D]
+        chunk = slice(start, start + n)
         positions = step.q_pos[row, :n].tolist()
-        o = dense_attention(q, k, v, positions, scale, window, softcap)  # [H_q, n, D]
-        out[start : start + n] = o.transpose(0, 1).to(out.dtype)
+        o = _attend_row(
+            layer,
+            step,
+            row,
+            query[0][:, chunk],
+            key[0][:, chunk],
+            value[0][:, chunk],
+            positions,
+            scale,
+            window,
+            softcap,
+        )  # [H_q, n, D]
+        out[chunk] = o.transpose(0, 1).to(out.dtype)
     return out[None]
 
 
@@ -272,13 +303,10 @@ def gather_attention(
         real = (pos >= 0).nonzero().flatten()
         if real.numel() == 0:
             continue
-        q = query[row][:, real.to(query.device)]  # [H_q, r, D]
-        if step.fresh[row]:
-            k, v = key[row][:, real.to(key.device)], value[row][:, real.to(key.device)]  # [H_kv, r, D]
-        else:
-            k, v = layer.context(row, step)  # [H_kv, S, D]
-        o = dense_attention(q, k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
-        out[row, real.to(query.device)] = o.transpose(0, 1).to(out.dtype)
+        idx = real.to(query.device)
+        k_new, v_new = key[row][:, idx], value[row][:, idx]  # [H_kv, r, D]
+        o = _attend_row(layer, step, row, query[row][:, idx], k_new, v_new, pos[real].tolist(), scale, window, softcap)
+        out[row, idx] = o.transpose(0, 1).to(out.dtype)  # o: [H_q, r, D]
     return out
 
 

@@ -629,11 +629,7 @@ class PagedCache(Cache):
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - m.num_free - m.num_evictable)
         rank = valid.to(torch.int32).cumsum(1) - 1  # index of each real token among the chunk's real tokens
         q_pos = torch.where(valid, rank + torch.tensor(before, dtype=torch.int32)[:, None], -1).to(torch.int32)
-        tables = [m.block_table(s) if s is not None else [] for s in self._rows]
-        width = max(1, max(len(t) for t in tables))
-        block_tables = torch.zeros(B, width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        block_tables = _block_tables(m, self._rows)
         self._length += q_len
         return _Step(
             q_len=q_len,
@@ -670,10 +666,7 @@ class PagedCache(Cache):
         arange = torch.arange(width)
         real = arange[None, :] < torch.tensor(lengths)[:, None]  # [R, Qmax]
         q_pos = torch.where(real, torch.tensor(starts)[:, None] + arange[None, :], -1).to(torch.int32)
-        tables = [m.block_table(s) for s in seqs]
-        block_tables = torch.zeros(R, max(1, max(len(t) for t in tables)), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        block_tables = _block_tables(m, seqs)
         self._rows = list(seqs)
         self._pinned = _Step(
             q_len=len(slots),
@@ -705,6 +698,15 @@ class PagedCache(Cache):
             cached = table[t // self.block_size] * self.block_size + t % self.block_size if n else t
             step.ctx_slots[row] = cached
         return cached
+
+
+def _block_tables(manager: BlockManager, seqs: Sequence[int | None]) -> torch.Tensor:
+    """``[R, max blocks]`` int32 block tables of ``seqs`` (zero-padded; a released row, ``None``, is all padding)."""
+    tables = [manager.block_table(s) if s is not None else [] for s in seqs]
+    out = torch.zeros(len(tables), max(1, max(len(t) for t in tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out
 
 
 def _real_tokens(ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:

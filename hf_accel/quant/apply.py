@@ -147,21 +147,17 @@ def _quantize_shard(
         return
     weight, bias = linear.weight, linear.bias
     w_local = local_tensor(weight)  # [out / tp, in] (colwise) or [out, in / tp] (rowwise)
-    plain = nn.Linear(w_local.shape[1], w_local.shape[0], bias=False, device="meta", dtype=w_local.dtype)
-    plain.weight = nn.Parameter(w_local, requires_grad=False)
-    if style == "colwise" and bias is not None:
-        plain.bias = nn.Parameter(local_tensor(bias), requires_grad=False)
+    absmax = None  # colwise rows are whole; row-wise groups are whole when the shard width is a multiple of them
     if style == "rowwise" and config.group_size is None:  # scale each row by the whole row, as one process would
         absmax = w_local.detach().float().abs().amax(dim=1, keepdim=True)  # [out, 1]
         torch.distributed.all_reduce(absmax, op=torch.distributed.ReduceOp.MAX, group=tp_group(weight))
-        inner = Int8Linear(quantize(w_local, None, absmax=absmax)).to(w_local.device)
-    else:  # colwise rows are whole; row-wise groups are whole when the shard width is a multiple of group_size
-        if style == "rowwise" and w_local.shape[1] % config.group_size:
-            raise IncompatibleOptionsError(
-                f"int8 group_size={config.group_size} does not divide the tensor-parallel shard of {name} "
-                f"({w_local.shape[1]} input features per rank)"
-            )
-        inner = Int8Linear.from_module(plain, config.group_size).to(w_local.device)
+    elif style == "rowwise" and w_local.shape[1] % config.group_size:
+        raise IncompatibleOptionsError(
+            f"int8 group_size={config.group_size} does not divide the tensor-parallel shard of {name} "
+            f"({w_local.shape[1]} input features per rank)"
+        )
+    local_bias = local_tensor(bias) if style == "colwise" and bias is not None else None  # rowwise: added once
+    inner = Int8Linear(quantize(w_local, config.group_size, absmax=absmax), local_bias).to(w_local.device)
     new: nn.Module = inner
     if style == "rowwise":
         new = TPRowwise(inner, None if bias is None else local_tensor(bias).detach(), tp_group(weight))
