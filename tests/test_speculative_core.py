@@ -48,7 +48,7 @@ def test_sampling_verdict_accepts_everything_when_draft_equals_target():
     assert v.accepted == 2 and v.tokens == [1, 2, 0]
 
 
-def test_prompt_lookup_proposes_the_continuation_of_the_first_match():
+def test_prompt_lookup_proposes_the_continuation_of_the_most_recent_match():
     pl = PromptLookup(num_tokens=3, max_ngram=3, min_ngram=2)
     seq = torch.tensor([7, 1, 2, 3, 4, 5, 9, 1, 2])
     assert pl.propose([seq], [3])[0].tokens.tolist() == [3, 4, 5]
@@ -56,9 +56,16 @@ def test_prompt_lookup_proposes_the_continuation_of_the_first_match():
     assert pl.propose([torch.tensor([1, 2, 3, 4])], [3])[0].tokens.tolist() == []  # no earlier 2-gram
     one = PromptLookup(num_tokens=2, min_ngram=1)
     assert one.propose([torch.tensor([4, 8, 6, 8])], [2])[0].tokens.tolist() == [6, 8]
-    # the longest n-gram wins over an earlier shorter one
-    seq = torch.tensor([2, 3, 10, 1, 2, 3, 11, 1, 2, 3])
+    # the longest n-gram wins over a more recent shorter one
+    seq = torch.tensor([2, 3, 10, 1, 2, 3, 11, 5, 2, 3, 12, 1, 2, 3])
     assert pl.propose([seq], [1])[0].tokens.tolist() == [11]
+    # of two occurrences of the same n-gram, the most recent one wins
+    seq = torch.tensor([1, 2, 3, 4, 1, 2, 5, 6, 0, 1, 2])
+    assert pl.propose([seq], [3])[0].tokens.tolist() == [5, 6, 0]
+    # a continuation that reaches the end repeats as the loop it is
+    seq = torch.tensor([9, 4, 5, 6, 4, 5])
+    assert pl.propose([seq], [3])[0].tokens.tolist() == [6, 4, 5]
+    assert pl.propose([torch.tensor([8, 8, 8])], [3])[0].tokens.tolist() == [8, 8, 8]
 
 
 def test_adaptive_k_grows_keeps_halves_and_pauses():
@@ -91,14 +98,76 @@ def test_bad_strategy_options():
         AdaptiveK(num_tokens=5, max_tokens=3)
 
 
-def test_governor_pauses_speculation_that_does_not_pay_and_probes_again():
-    from hf_accel.speculative.loop import Governor
+def test_step_cost_fits_the_line_and_falls_back_to_its_prior():
+    from hf_accel.speculative.policy import StepCost
 
-    g = Governor(margin=0.95, pause_steps=3, alpha=1.0)
-    assert g.allow()  # first step: speculate
-    g.record(True, tokens=3, seconds=0.3)  # 10 tok/s speculative; the plain rate is not known yet
-    assert not g.allow()  # so the next step is a plain one, to measure it
-    g.record(False, tokens=1, seconds=0.05)  # 20 tok/s plain: speculation loses
-    assert [g.allow() for _ in range(4)] == [False, False, False, True] and g.pauses == 1
-    g.record(True, tokens=6, seconds=0.2)  # 30 tok/s: now it pays, speculation goes on
-    assert g.allow() and g.allow() and g.pauses == 1
+    cost = StepCost(decay=1.0, prior_tokens=16.0, prior_weight=4.0)
+    assert cost.line() == (0.0, 0.0)
+    for _ in range(3):
+        cost.record(4, 0.020)  # plain steps only: all the same size
+    fixed, per_token = cost.line()
+    # slope from the prior: 0.020 / (16 + 4) per token, fixed part the rest of the mean
+    assert per_token == pytest.approx(0.001, rel=1e-12) and fixed == pytest.approx(0.016, rel=1e-12)
+    cost = StepCost(decay=1.0, prior_tokens=16.0, prior_weight=4.0)
+    for _ in range(30):  # exact samples of t = 0.015 + 0.0007 * N at N = 4 and 44
+        cost.record(4, 0.015 + 0.0007 * 4)
+        cost.record(44, 0.015 + 0.0007 * 44)
+    fixed, per_token = cost.line()
+    # ridge fit: (cov + lam * prior) / (var + lam) with var = 60 * 20^2, cov = 0.0007 var, lam = 4 * 60 and
+    # prior = mean t / (16 + mean N): the prior's pull moves the slope by 0.13%
+    prior = (0.015 + 0.0007 * 24) / (16 + 24)
+    assert per_token == pytest.approx((0.0007 * 24000 + 240 * prior) / (24000 + 240), rel=1e-9)
+    assert per_token == pytest.approx(0.0007, rel=2e-3)
+    assert cost.predict(24) == pytest.approx(0.015 + 0.0007 * 24, rel=1e-9)  # the line passes through the mean
+
+
+def test_policy_picks_the_width_with_the_most_expected_tokens_per_second():
+    from hf_accel.speculative.policy import SpeculationPolicy, StepCost
+
+    cost = StepCost(decay=1.0, prior_weight=0.0)
+    for n in (4, 44, 1, 11):  # t = 0.02 + 0.001 * N exactly
+        cost.record(n, 0.02 + 0.001 * n)
+    policy = SpeculationPolicy(cost, window=4)
+    policy.reset(4)
+    assert policy.choose([0, 0, 0, 0]) == 0 and policy.plain_steps == 0  # nothing to verify: not counted
+    for row in range(4):  # chat-like rows: proposals almost never accepted
+        for _ in range(4):
+            policy.observe(row, 0, 10)
+    assert policy.choose([10, 10, 10, 10]) == 0 and policy.plain_steps == 1
+    for _ in range(4):  # row 0 copies: 10 of 10 accepted each time
+        policy.observe(0, 10, 10)
+    # k=10: (4 + 10) / (0.02 + 0.044) = 218.75 tok/s beats plain 4 / 0.024 = 166.7; each k < 10 gains k for
+    # (0.024 + 0.004 k) seconds, less
+    assert policy.choose([10, 10, 10, 10]) == 10
+    assert policy.expected_gain(0, 3) == 3.0 and policy.expected_gain(1, 3) == 0.0
+    # row 0 has only 4 tokens to copy: k=4 gives (4 + 4) / 0.04 = 200 tok/s; wider chunks gain nothing more
+    assert policy.choose([4, 10, 10, 10]) == 4
+    assert policy.choose([0, 10, 10, 10]) == 0 and policy.plain_steps == 2  # only rows that never copy
+    policy.select([1, 2])
+    assert policy.choose([10, 10]) == 0
+
+
+def test_policy_scores_shadow_proposals_and_forgets_stale_rows():
+    from hf_accel.speculative.policy import SpeculationPolicy, StepCost
+
+    policy = SpeculationPolicy(StepCost(), window=4, prior=[(1, 1)], forget_after=2, optimism=2)
+    policy.reset(2)
+    # no samples anywhere: the prior, (1 of 1) accepted in full, so 1 + optimism 2
+    assert policy.expected_gain(0, 5) == 3.0 and policy.expected_gain(0, 2) == 2.0
+    policy.shadow(0, [5, 6, 7])
+    policy.shadow(0, [9])  # one pending shadow per row: ignored
+    policy.produced(0, [5])
+    policy.produced(0, [6, 8])  # 5, 6 matched, then 8 != 7: 2 of 3 would have been accepted
+    assert list(policy.rows[0]) == [(2, 3)] and policy.shadows[0] is None
+    assert policy.expected_gain(1, 5) == 2.0  # row 1 has no samples: the pooled ones of the call
+    policy.shadow(1, [4])
+    policy.produced(1, [4])
+    policy.produced(1, [3])  # all of a 1-token proposal matched: finalised on the next token
+    assert list(policy.rows[1]) == [(1, 1)]
+    assert policy.expected_gain(1, 5) == 3.0  # accepted in full: at least 1, credited 1 + 2
+    policy.tick()
+    policy.tick()
+    assert list(policy.rows[0]) == [(2, 3)]
+    policy.observe(1, 0, 4)
+    policy.tick()  # row 0: three steps without a sample > forget_after: forgotten, row 1 was just observed
+    assert list(policy.rows[0]) == [] and list(policy.rows[1]) == [(1, 1), (0, 4)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import EOS, PAD, chat_batch, random_batch, tiny_model
@@ -254,17 +256,44 @@ def test_composite_uses_the_first_strategy_with_a_proposal():
         Composite(PromptLookup())
 
 
-def test_composite_survives_fallback_pauses_and_finishing_rows(monkeypatch):
-    """The governor may skip speculation on any step while rows finish: strategies must stay in step."""
+def test_composite_survives_policy_cuts_and_finishing_rows(monkeypatch):
+    """The policy may skip or shorten speculation on any step while rows finish: strategies must stay in step."""
     from hf_accel.speculative import Composite
-    from hf_accel.speculative.loop import Governor
+    from hf_accel.speculative.policy import SpeculationPolicy
 
     plain, patched = _pair("qwen2")
     ids, mask = _repetitive_batch(3, seed=4)
     kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=EOS, pad_token_id=PAD)
     expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
     calls = iter(range(10_000))
-    monkeypatch.setattr(Governor, "allow", lambda self: next(calls) % 3 != 1)  # every third step is forced plain
+    # every third step forced plain, every other one cut to at most 2 drafts
+    monkeypatch.setattr(SpeculationPolicy, "choose", lambda self, lengths, producing=None: [2, 0, 99][next(calls) % 3])
     strategy = Composite(PromptLookup(num_tokens=3), DraftModel(tiny_model("qwen2", seed=5), num_tokens=2))
     got = patched.generate(input_ids=ids, attention_mask=mask, speculative=strategy, **kwargs)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_finished_rows_leave_the_batch_once_half_of_it_has_finished(paged):
+    """Rows that finish early feed holes until at least half the batch has finished; output stays exact."""
+    plain, patched = _pair("llama")
+    ids, mask = _repetitive_batch(4, seed=3)
+    probe = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    eos = int(probe[0, ids.shape[1] + 2])  # row 0 finishes at its third token; the others later or never
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    sizes: list[int] = []
+    hook = patched.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        got = patched.generate(input_ids=ids, attention_mask=mask, paged=paged, prompt_lookup=True, **kwargs)
+    finally:
+        hook.remove()
+    assert torch.equal(got, expected)
+    finished_at = [
+        int((expected[r, ids.shape[1] :] == eos).nonzero()[0]) if (expected[r, ids.shape[1] :] == eos).any() else None
+        for r in range(4)
+    ]
+    assert finished_at[0] == 2 and any(f is None or f > 2 for f in finished_at[1:])
+    # the batch only ever shrinks to at most half of what it was (4 -> 2 -> 1), never to 3
+    changes = [(a, b) for a, b in itertools.pairwise(sizes) if a != b]
+    assert 3 not in sizes and all(b <= a // 2 for a, b in changes), sizes

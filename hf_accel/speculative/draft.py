@@ -134,14 +134,14 @@ class DraftModel(Strategy):
         contexts = [seq.to(device) for seq in sequences]
         tokens, probs = [], []
         with torch.no_grad():
-            logits = ragged.feed(chunk.to(device), valid.to(device))[:, -1]
+            logits = ragged.feed(chunk.to(device), valid.to(device), last_only=True)[:, -1]
             for step in range(k):
                 tok, p = self._pick(contexts, logits)
                 tokens.append(tok.cpu())
                 probs.append(p)
                 if step + 1 < k:
                     contexts = [torch.cat([c, t[None]]) for c, t in zip(contexts, tok, strict=True)]
-                    logits = ragged.feed(tok[:, None])[:, -1]
+                    logits = ragged.feed(tok[:, None], last_only=True)[:, -1]
         self._seen = [seq.shape[0] + k - 1 for seq in sequences]
         self._fed = k - 1
         drafts = torch.stack(tokens, 1)  # [B, k]

@@ -44,16 +44,19 @@ class RaggedCache:
     def real_lengths(self) -> torch.Tensor:
         return self.mask.sum(1)  # [B]
 
-    def feed(self, ids: torch.Tensor, valid: torch.Tensor | None = None, prefix: bool = False) -> torch.Tensor:
+    def feed(
+        self, ids: torch.Tensor, valid: torch.Tensor | None = None, prefix: bool = False, last_only: bool = False
+    ) -> torch.Tensor:
         """Run the model on a chunk and return its logits.
 
         Args:
             ids: ``[B, C]`` tokens; pad entries are anything.
             valid: ``[B, C]`` bool, False for holes (default: all real). Ignored with ``prefix``.
             prefix: the chunk is the tail of ``self.mask``'s initial layout (the prompt not yet cached).
+            last_only: only the last column's logits are needed (a prompt, a catch-up): the LM head skips the rest.
 
         Returns:
-            ``[B, C, V]`` logits.
+            ``[B, C, V]`` logits, or ``[B, 1, V]`` with ``last_only``.
         """
         if prefix:
             mask = self.mask
@@ -69,7 +72,7 @@ class RaggedCache:
             position_ids=pos,
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=0,
+            logits_to_keep=1 if last_only else 0,
         )
         self.mask = mask
         return out.logits

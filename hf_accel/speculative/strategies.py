@@ -16,6 +16,7 @@ no verify cost), then probes again: speculation that does not pay switches itsel
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import IncompatibleOptionsError
+from .policy import SpeculationPolicy, StepCost
 
 __all__ = ["AdaptiveK", "Composite", "PromptLookup", "Proposal", "Strategy"]
 
@@ -122,18 +124,21 @@ class Strategy:
         num_tokens: initial draft tokens per step.
         adaptive: adapt ``k`` per row from acceptance (:class:`AdaptiveK`).
         max_tokens: upper bound of the adaptive ``k``.
-        fallback: let the loop pause speculation for the whole batch while it measures slower than plain
-            decoding (:class:`~hf_accel.speculative.loop.Governor`).
+        fallback: let the loop choose each step's draft length (none: a plain step) by the expected tokens per
+            second (:class:`~hf_accel.speculative.policy.SpeculationPolicy`); ``False`` always drafts.
     """
 
     #: short name used in stats and logs
     name = "strategy"
+    #: proposals are free and deterministic: the policy may score them on plain steps without verifying them
+    shadow = False
 
     def __init__(
         self, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None, fallback: bool = True
     ) -> None:
         self.k = AdaptiveK(num_tokens, max_tokens, adaptive)
         self.fallback = fallback
+        self._costs: weakref.WeakKeyDictionary[torch.nn.Module, StepCost] = weakref.WeakKeyDictionary()
 
     # -- per call -----------------------------------------------------------------------------------
     def start(
@@ -153,6 +158,14 @@ class Strategy:
 
     def finish(self) -> None:
         """The call ended (normally or not): drop per-call state."""
+
+    def policy(self, target: torch.nn.Module) -> SpeculationPolicy:
+        """A fresh per-call policy; the step-cost fit of ``target`` is kept across calls (it describes the model
+        on this machine, not the prompt)."""
+        cost = self._costs.get(target)
+        if cost is None:
+            cost = self._costs[target] = StepCost()
+        return SpeculationPolicy(cost)
 
     # -- per step -----------------------------------------------------------------------------------
     def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
@@ -180,13 +193,16 @@ class Strategy:
 class PromptLookup(Strategy):
     """Drafts by copying: the tokens that followed an earlier occurrence of the sequence's last n-gram.
 
-    Pure tensor code. For ``n`` from ``max_ngram`` down to ``min_ngram``, the first earlier occurrence of the
-    last ``n`` tokens (in the prompt or the generated text) wins; its continuation is the proposal. No match:
-    no proposal (a plain decoding step, nothing wasted).
+    Pure tensor code. For ``n`` from ``max_ngram`` down to ``min_ngram``, the most recent earlier occurrence of
+    the last ``n`` tokens (in the prompt or the generated text) wins; its continuation is the proposal. A
+    continuation that reaches the end of the sequence goes on as the repetition it is (``a b c a b`` proposes
+    ``c a b c ...``). No match: no proposal (a plain decoding step, nothing wasted).
 
     The defaults were chosen by measurement on SmolLM2 (``docs/speculative.md``): single-token matches are
-    mostly wrong and each rejected proposal costs a wider forward, so ``min_ngram=2``; proposals cost nothing to
-    make and verifying 5 or 16 tokens costs about the same at batch 1, so ``k`` stays fixed (``adaptive=False``).
+    mostly wrong and each rejected proposal costs a wider forward, so ``min_ngram=2``; the most recent
+    occurrence is accepted more often than the first (it follows what is being copied right now); proposals cost
+    nothing to make and the loop's policy already cuts them to the length that pays, so ``k`` stays fixed
+    (``adaptive=False``).
 
     Args:
         num_tokens: draft tokens per step (default 10).
@@ -196,6 +212,7 @@ class PromptLookup(Strategy):
     """
 
     name = "prompt_lookup"
+    shadow = True
 
     def __init__(
         self,
@@ -224,8 +241,10 @@ class PromptLookup(Strategy):
             windows = seq.unfold(0, n, 1)[:-1]  # [L - n, n]: every earlier n-gram (not the tail itself)
             hits = (windows == seq[-n:]).all(1).nonzero().flatten()
             if hits.numel():
-                start = int(hits[0]) + n  # continuation of the first occurrence
-                return Proposal(seq[start : min(start + k, length)].clone())
+                start = int(hits[-1]) + n  # continuation of the most recent occurrence
+                period = length - start  # past the end, the copy repeats itself (a loop of `period` tokens)
+                index = start + torch.arange(k) % period  # [k]
+                return Proposal(seq[index])
         return Proposal.empty()
 
     def __repr__(self) -> str:
@@ -255,6 +274,7 @@ class Composite(Strategy):
         super().__init__(max(s.k.max_tokens for s in strategies), adaptive=False, fallback=fallback)
         self.strategies = list(strategies)
         self.name = "+".join(s.name for s in strategies)
+        self.shadow = all(s.shadow for s in strategies)
         self._used: list[int | None] = []
 
     def start(self, target, batch, sampling, processors=()) -> None:  # type: ignore[no-untyped-def]
