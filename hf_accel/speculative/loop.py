@@ -235,6 +235,8 @@ class _Loop:
                 active = self._step(ragged, active)
         finally:
             self.strategy.finish()
+            if self.policy is not None:
+                self.stats.plain_steps = self.policy.plain_steps
             if hasattr(cache, "rollback_rows"):
                 cache.reset()  # rows were re-indexed as they finished: nothing of them is published
         if self.streamer is not None:
@@ -256,8 +258,8 @@ class _Loop:
         for row, tok in enumerate(self.last):
             self._emit(row, [tok], [(scores[row], logits[row])])
 
-    def _emit(self, row: int, tokens: list[int], step_scores: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Append tokens to a row one at a time through the stopping criteria; returns how many were kept."""
+    def _emit(self, row: int, tokens: list[int], step_scores: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append tokens to a row one at a time through the stopping criteria (it may stop inside ``tokens``)."""
         rows = self.rows
         kept = 0
         for tok, sc in zip(tokens, step_scores, strict=True):
@@ -271,7 +273,6 @@ class _Loop:
         if self.streamer is not None:
             self.streamer.put(torch.tensor(tokens[:kept]))
         self.stats.tokens += kept
-        return kept
 
     def _budgets(self, active: list[int]) -> list[int]:
         budgets = self.strategy.k.budgets()
@@ -339,7 +340,6 @@ class _Loop:
                     policy.produced(i, v.tokens)
                 else:
                     policy.observe(i, v.accepted, n)
-            self.stats.plain_steps = policy.plain_steps
         return self._compact(ragged, active)
 
     def _compact(self, ragged: RaggedCache, active: list[int]) -> list[int]:

@@ -44,11 +44,6 @@ class StepCost:
         self.decay, self.prior_tokens, self.prior_weight = decay, prior_tokens, prior_weight
         self._w = self._n = self._t = self._nn = self._nt = 0.0
 
-    @property
-    def samples(self) -> float:
-        """Total (decayed) weight of the samples seen."""
-        return self._w
-
     def record(self, tokens: int, seconds: float) -> None:
         """One timed forward that fed ``tokens`` tokens (rows times width)."""
         d = self.decay
@@ -79,7 +74,7 @@ class SpeculationPolicy:
     """Chooses each step's chunk width from the predicted step cost and every row's recent acceptance.
 
     Args:
-        cost: the step-cost model (kept across calls by the strategy: it describes the model and the machine).
+        cost: the step-cost model (a strategy instance reused across calls keeps refining one fit per model).
         window: ``(accepted, proposed)`` samples kept per row.
         prior: the samples a row starts from before it has its own (then the pooled samples of all rows of
             the call are used, once there are any).

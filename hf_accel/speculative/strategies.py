@@ -160,8 +160,9 @@ class Strategy:
         """The call ended (normally or not): drop per-call state."""
 
     def policy(self, target: torch.nn.Module) -> SpeculationPolicy:
-        """A fresh per-call policy; the step-cost fit of ``target`` is kept across calls (it describes the model
-        on this machine, not the prompt)."""
+        """A fresh per-call policy; the step-cost fit of ``target`` is kept across the calls that reuse this
+        strategy instance (it describes the model on this machine, not the prompt). A strategy made per call by
+        ``prompt_lookup=True`` / ``speculative=True`` starts its fit afresh."""
         cost = self._costs.get(target)
         if cost is None:
             cost = self._costs[target] = StepCost()
