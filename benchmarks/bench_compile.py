@@ -7,12 +7,15 @@ Variants (each patched onto the same model, run, unpatched; greedy output compar
   baseline                  plain ``generate`` (hf_accel instrumentation only, so all rows are timed alike)
   HF static+compile         Transformers' own ``cache_implementation="static"`` + ``compile_config`` (CPU allowed)
   packed                    ``compile=CompileConfig(mlp=False)``: linears pre-packed for oneDNN, nothing compiled
-  fused+packed+compiled     ``fused_mlp=True, compile=True``: + the fused MLPs compiled for decode shapes
-  ... + paged               the same, ``generate(paged=True)``
-  ... + static step         the same, ``generate(cache_implementation="static")``: Transformers compiles the step
+  fused+packed              ``fused_mlp=True, compile=CompileConfig(decode_step=False)`` (MLPs are compiled only
+                            on accelerators by default)
+  ... + paged               the same, ``generate(paged=True)``: eager decode steps over the paged cache
+  ... + paged compiled step ``compile=True``, ``generate(paged=True)``: hf_accel compiles the paged decode step
+  ... + static step         ``compile=True``, ``generate(cache_implementation="static")``: Transformers compiles
+                            its decode step over a static cache
 Prints decode tokens/s (all rows), time to first token, the ratio to the baseline, whether greedy tokens equal
-the baseline's, and the first call's wall time (compilation included). ``--skip-slow`` drops the two
-whole-step compile variants (about a minute of compilation each).
+the baseline's, and the first call's wall time (compilation included). ``--skip-slow`` drops Transformers'
+two whole-step compile variants (about a minute of compilation each).
 """
 
 from __future__ import annotations
@@ -39,17 +42,19 @@ def hf_compile_config():
 
 def variants(skip_slow: bool) -> dict[str, tuple[dict, dict]]:
     """name -> (patch_model kwargs, generate kwargs)."""
+    eager = {**PLAIN, "fused_mlp": True, "compile": hf_accel.CompileConfig(decode_step=False)}
     compiled = {**PLAIN, "fused_mlp": True, "compile": True}
     out = {
         "baseline": (PLAIN, {}),
         "HF static+compile": (PLAIN, {"cache_implementation": "static", "compile_config": hf_compile_config()}),
-        "packed": ({**PLAIN, "compile": hf_accel.CompileConfig(mlp=False)}, {}),
-        "fused+packed+compiled": (compiled, {}),
-        "fused+packed+compiled + paged": ({**compiled, "paged": True}, {"paged": True}),
-        "fused+packed+compiled + static step": (compiled, {"cache_implementation": "static"}),
+        "packed": ({**PLAIN, "compile": hf_accel.CompileConfig(mlp=False, decode_step=False)}, {}),
+        "fused+packed": (eager, {}),
+        "fused+packed + paged": ({**eager, "paged": True}, {"paged": True}),
+        "fused+packed + paged compiled step": ({**compiled, "paged": True}, {"paged": True}),
+        "fused+packed + static step": (compiled, {"cache_implementation": "static"}),
     }
     if skip_slow:
-        del out["HF static+compile"], out["fused+packed+compiled + static step"]
+        del out["HF static+compile"], out["fused+packed + static step"]
     return out
 
 

@@ -7,9 +7,11 @@ land in ``$HF_ACCEL_CACHE/ext/<name>-<source sha>-torch<version>``, so a changed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -38,6 +40,31 @@ def _cpu_supports(isa: str) -> bool:
     return capability in _ISAS[isa][0]
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an OS lock on ``build_dir`` while building; clear a lock file left by a killed build.
+
+    ``cpp_extension.load`` guards a build with a plain ``lock`` file that it waits on forever: a process
+    killed mid-build leaves it behind and every later process would hang. The ``flock`` taken here is
+    released by the OS when its holder dies, so whoever holds it knows a leftover ``lock`` file is stale.
+    """
+    if sys.platform == "win32":  # no flock: rely on cpp_extension's own lock
+        yield
+        return
+    import fcntl
+
+    with open(build_dir / "hf_accel.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another live process builds
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("hf_accel: removing %s left by an interrupted build", stale)
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(name: str, source: Path, isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -48,15 +75,16 @@ def _build(name: str, source: Path, isa: str) -> ModuleType:
     build_dir = cache_dir() / "ext" / f"{name}-{digest}-torch{torch.__version__.split('+')[0]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("hf_accel: building the %s kernel in %s (once)", name, build_dir)
-    return load(
-        name=f"hf_accel_{name}",
-        sources=[str(source)],
-        extra_cflags=["-O3", *_ISAS[isa][1], "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_INCLUDE)],
-        build_directory=str(build_dir),
-        verbose=os.environ.get("HF_ACCEL_VERBOSE_BUILD") == "1",
-    )
+    with _build_lock(build_dir):
+        return load(
+            name=f"hf_accel_{name}",
+            sources=[str(source)],
+            extra_cflags=["-O3", *_ISAS[isa][1], "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_INCLUDE)],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("HF_ACCEL_VERBOSE_BUILD") == "1",
+        )
 
 
 def load_extension(name: str, source: Path, isa: str = "avx2") -> ModuleType | None:

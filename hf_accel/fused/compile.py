@@ -7,7 +7,9 @@ Three independent parts (see :class:`~hf_accel.config.CompileConfig`):
   values) and restored bitwise by ``unpatch_model``; a tied LM head keeps its float weight for the embedding.
 * ``mlp`` — each :class:`~.mlp.FusedGatedMLP` routes decode steps (``[B, 1, H]``) through one ``torch.compile``'d
   function shared by all layers (weights are arguments, so 30 layers are one graph, not 30 recompiles).
-* ``decode_step`` — a ``generate`` call with ``cache_implementation="static"`` gets Transformers'
+* ``decode_step`` — one-token decode steps over hf_accel's paged cache run compiled
+  (:class:`~hf_accel.paged.compiled.CompiledPagedDecode`, bound as the instance's ``forward`` when the paged
+  feature is on), and a ``generate`` call with ``cache_implementation="static"`` gets Transformers'
   ``compile_config`` (with CPU allowed), so Transformers compiles its decode step.
 
 Nothing is compiled at patch time: compilation happens on the first call of each shape class.
@@ -26,6 +28,8 @@ from ..config import CompileConfig
 from ..dispatch import check_resident, is_sharded, transfer_hook
 from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..generate import GenerateCall
+from ..paged.cache import PAGED_ATTENTION_PREFIX
+from ..paged.compiled import CompiledPagedDecode, define_paged_op
 from ..recorder import Recorder
 from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
@@ -161,6 +165,23 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
             recorder.note(FEATURE, "MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)")
     if compile_mlps:
         _compile_mlps(parts, config, recorder)
+    if config.decode_step:
+        _compile_paged_decode(model, config, recorder)
+
+
+def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Recorder) -> None:
+    """Bind the compiled paged decode step as ``model.forward`` (when paged attention is on, on one device)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if not (isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)):
+        recorder.note(FEATURE, "paged decode step not compiled (paged attention is off)")
+        return
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or any(is_sharded(p) for p in model.parameters()) or hasattr(model, "_hf_hook"):
+        recorder.note(FEATURE, "paged decode step not compiled (the model is dispatched over devices or sharded)")
+        return
+    define_paged_op()
+    step = CompiledPagedDecode(model, config.compile_kwargs())
+    recorder.set_instance_attr(FEATURE, model, "forward", step, "paged decode step compiled (one-token steps)")
 
 
 def bind_compile(model: nn.Module, state: PatchState, config: CompileConfig) -> None:

@@ -39,8 +39,10 @@ __all__ = ["DECODE_MAX_QUERY", "PagedMask", "dense_attention", "kernel_status", 
 DECODE_MAX_QUERY = 16
 #: The native kernel handles blocks of up to this many tokens; larger blocks use the gather path.
 KERNEL_MAX_BLOCK_SIZE = 64
+#: ``forward`` keyword argument carrying a compiled decode step's :class:`~.compiled.DecodePlan` to attention.
+PLAN_KWARG = "hf_accel_paged_plan"
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DECODE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def paged_name(base: str) -> str:
@@ -116,6 +118,9 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
+        plan = kwargs.get(PLAN_KWARG)
+        if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
+            return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
         layer: PagedLayer | None = key.__dict__.get(LAYER_TAG)
         if layer is None:  # not a PagedCache: the base implementation, untouched
             mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
@@ -143,6 +148,25 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
     return paged_attention
 
 
+def _planned_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: Any,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """One layer of a compiled decode step: ``hf_accel::paged_decode`` writes and attends; [B, Q, H_q, D]."""
+    i = module.layer_idx
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
+    return torch.ops.hf_accel.paged_decode(
+        query, key, value, plan.keys[i], plan.values[i], plan.slots, plan.block_tables, plan.q_pos,
+        scale, window, softcap, plan.kernel,
+    )  # fmt: skip
+
+
 def register(base: str) -> str:
     """Register ``"hf_accel_paged:<base>"`` with Transformers' attention and mask interfaces; returns the name."""
     from transformers.masking_utils import AttentionMaskInterface
@@ -162,14 +186,14 @@ def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
         return False
     usable = (
         query.device.type == "cpu"
-        and query.dtype in _KERNEL_DTYPES
+        and query.dtype in DECODE_KERNEL_DTYPES
         and layer.keys.shape[1] <= KERNEL_MAX_BLOCK_SIZE
         and query.shape[-1] % 8 == 0
         and native_kernel() is not None
     )
     if mode == "kernel" and not usable:
         raise IncompatibleOptionsError(
-            f"PagedCache(attention='kernel') needs a CPU tensor of {_KERNEL_DTYPES}, block_size <= "
+            f"PagedCache(attention='kernel') needs a CPU tensor of {DECODE_KERNEL_DTYPES}, block_size <= "
             f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel "
             f"({kernel_status()}); got {query.dtype} on {query.device}; use attention='auto'"
         )

@@ -182,9 +182,7 @@ class PagedLayer(CacheLayerMixin):
         """Store the real tokens of this chunk. ``key``/``value``: [B, H_kv, Q, D]."""
         self._pending = False
         t = step.tensors(self.device)
-        for c in step.copies:  # copy-on-write of shared partial blocks
-            self.keys[c.dst, : c.num_tokens] = self.keys[c.src, : c.num_tokens]
-            self.values[c.dst, : c.num_tokens] = self.values[c.src, : c.num_tokens]
+        self.copy_blocks(step.copies)
         if t["slots"].numel() == 0:
             return
         k = key.transpose(1, 2)  # [B, Q, H_kv, D]
@@ -196,6 +194,12 @@ class PagedLayer(CacheLayerMixin):
         flat = (-1, *self.keys.shape[2:])
         self.keys.view(flat).index_copy_(0, t["slots"], k.to(self.dtype))
         self.values.view(flat).index_copy_(0, t["slots"], v.to(self.dtype))
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write of shared partial blocks: each copy's first tokens from ``src`` to ``dst``."""
+        for c in copies:
+            self.keys[c.dst, : c.num_tokens] = self.keys[c.src, : c.num_tokens]
+            self.values[c.dst, : c.num_tokens] = self.values[c.src, : c.num_tokens]
 
     def context(self, row: int, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``row``'s whole stored context, gathered: ``[H_kv, S, D]`` each (dense path only)."""
@@ -642,6 +646,32 @@ class PagedCache(Cache):
             fresh=[b == 0 for b in before],
             ctx_slots=[None] * B,
         )
+
+    def decode_plan(self, batch: int, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan a one-token step for a forward that writes the pools itself (the compiled decode step).
+
+        Allocates the step's slots exactly as the eager path does at its first layer and performs the
+        copy-on-write block copies on every layer.
+
+        Args:
+            batch: rows in the forward.
+            padding: ``[B, 1]`` True where the row's token is real; ``None`` = all real.
+
+        Returns:
+            ``slots`` ``[B]`` int64 (-1: the row stores nothing), ``block_tables`` ``[B, MB]`` int32 and ``q_pos``
+            ``[B, 1]`` int32 (-1: the row attends to nothing), on the first layer's device.
+
+        Raises:
+            CacheFullError / IncompatibleOptionsError: as for any forward (pool exhausted, wrong batch).
+        """
+        step = self._plan(batch, 1, padding)
+        self._step = None  # the plan is this step's only; an eager forward after it plans its own
+        for layer in self.layers:
+            layer.copy_blocks(step.copies)
+        slots = torch.full((batch,), -1, dtype=torch.int64)
+        slots[step.valid[:, 0]] = step.slots
+        device = self.layers[0].device
+        return slots.to(device), step.block_tables.to(device), step.q_pos.to(device)
 
     def pin_packed(
         self,

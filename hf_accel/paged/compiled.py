@@ -1,0 +1,250 @@
+"""A compiled one-token decode step over the :class:`~.cache.PagedCache` (the ``compile`` feature's paged part).
+
+The eager paged path plans each forward inside attention (block allocation, the K/V tag on ``update``'s
+output): Python that ``torch.compile`` cannot trace. The compiled step moves that bookkeeping out of the graph:
+
+1. before the forward, in Python, :meth:`~.cache.PagedCache.decode_plan` allocates the step's slots and builds
+   the block tables (the same plan the eager path makes at its first layer);
+2. the model's own ``forward`` then runs compiled, with no Transformers cache at all (``cache=None``,
+   ``use_cache=False``) and the plan as one extra keyword argument, which Transformers passes down to every
+   attention call; the paged attention function hands it to the custom op ``hf_accel::paged_decode``, which
+   writes the new K/V into that layer's pool and attends over it (native kernel on CPU, a gather reference
+   elsewhere). The op is opaque to Inductor, which compiles everything around it.
+
+The plan's tensors are graph inputs, so the graph is reused across steps and ``generate`` calls; only the
+block-table width is a dynamic dimension (it grows with the context). Prompts, multi-token chunks and calls
+with options the step does not cover run the original, eager forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..errors import IncompatibleOptionsError
+from .attention import (
+    DECODE_KERNEL_DTYPES,
+    KERNEL_MAX_BLOCK_SIZE,
+    PLAN_KWARG,
+    dense_attention,
+    kernel_status,
+    native_kernel,
+)
+from .cache import PAGED_ATTENTION_PREFIX, PagedCache
+
+__all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
+
+_OP_LOCK = threading.Lock()
+_OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registration at import time
+
+
+class DecodePlan(NamedTuple):
+    """One decode step's plan, passed to every layer's attention (all tensors on the layers' device).
+
+    Args:
+        slots: ``[B]`` int64 pool slot of each row's new token; -1 for a row that stores nothing (released).
+        block_tables: ``[B, MB]`` int32.
+        q_pos: ``[B, 1]`` int32 index of each row's new token in its sequence; -1 for a released row.
+        keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
+        kernel: attend with the native kernel (else the gather reference).
+    """
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    q_pos: torch.Tensor
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    kernel: bool
+
+
+def _write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``new`` ([B, H_kv, Q, D]) at ``slots`` ([B*Q], -1 = skip) of ``pool`` ([NB, BS, H_kv, D])."""
+    rows = new.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B*Q, H_kv, D]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        rows, slots = rows[keep], slots[keep]
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, rows.to(pool.dtype))
+
+
+def table_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Reference attention over the pool through block tables (what the native kernel computes).
+
+    Shapes: query ``[B, H_q, Q, D]``; pools ``[NB, BS, H_kv, D]``; block_tables ``[B, MB]``; q_pos ``[B, Q]``
+    (-1 = padding, which gets zeros). Returns ``[B, Q, H_q, D]``.
+    """
+    batch, heads, q_len, dim = query.shape
+    block = k_pool.shape[1]
+    out = query.new_zeros(batch, q_len, heads, dim)
+    flat_k, flat_v = k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:])  # [NB*BS, H_kv, D]
+    for row in range(batch):
+        pos = q_pos[row]
+        real = (pos >= 0).nonzero().flatten()
+        if real.numel() == 0:
+            continue
+        n = int(pos.max()) + 1
+        t = torch.arange(n, device=query.device)
+        slots = block_tables[row].long()[t // block] * block + t % block  # [n]
+        k = flat_k.index_select(0, slots).transpose(0, 1)  # [H_kv, n, D]
+        v = flat_v.index_select(0, slots).transpose(0, 1)
+        o = dense_attention(query[row][:, real], k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
+        out[row, real] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _paged_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+    kernel: bool,
+) -> torch.Tensor:
+    # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] -> [B, Q, H_q, D]
+    _write(k_pool, key, slots)
+    _write(v_pool, value, slots)
+    if kernel:
+        return native_kernel().paged_attention(  # type: ignore[union-attr]
+            query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap
+        )
+    return table_attention(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
+
+
+def define_paged_op() -> Callable[..., torch.Tensor]:
+    """Define ``torch.ops.hf_accel.paged_decode`` once per process (called at patch time, never at import)."""
+    global _OP_LIBRARY
+    with _OP_LOCK:
+        if _OP_LIBRARY is None:
+            lib = torch.library.Library("hf_accel", "FRAGMENT")
+            lib.define(
+                "paged_decode(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+                "Tensor slots, Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, "
+                "bool kernel) -> Tensor"
+            )
+            lib.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
+
+            def fake(query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, kernel):
+                b, h, q, d = query.shape
+                return query.new_empty((b, q, h, d))
+
+            torch.library.register_fake("hf_accel::paged_decode", fake, lib=lib)
+            _OP_LIBRARY = lib
+    return torch.ops.hf_accel.paged_decode
+
+
+def _kernel_usable(cache: PagedCache, device: torch.device) -> bool:
+    """Whether the step attends with the native kernel (the same rule as the eager decode path)."""
+    if cache.attention == "gather":
+        return False
+    usable = (
+        device.type == "cpu"
+        and cache.dtype in DECODE_KERNEL_DTYPES
+        and cache.block_size <= KERNEL_MAX_BLOCK_SIZE
+        and cache.head_dim % 8 == 0
+        and native_kernel() is not None
+    )
+    if cache.attention == "kernel" and not usable:
+        raise IncompatibleOptionsError(
+            f"PagedCache(attention='kernel') needs a CPU tensor of {DECODE_KERNEL_DTYPES}, block_size <= "
+            f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel ({kernel_status()}); got "
+            f"{cache.dtype} on {device}; use attention='auto'"
+        )
+    return usable
+
+
+#: ``forward`` keyword arguments the compiled step understands; any other (labels, output_attentions,
+#: inputs_embeds, ...) sends the call to the eager forward.
+_STEP_KWARGS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "return_dict", "logits_to_keep"}
+)
+
+
+class CompiledPagedDecode:
+    """A model's ``forward`` (bound on the instance) that runs one-token paged decode steps compiled.
+
+    Args:
+        model: the patched model (paged attention already switched on).
+        compile_kwargs: arguments for ``torch.compile``.
+
+    A call runs compiled when it feeds ``[B, 1]`` ``input_ids`` with a :class:`PagedCache` (not pinned by the
+    engine) and only the keyword arguments ``generate`` uses for a decode step; everything else goes to the
+    original ``forward`` unchanged.
+    """
+
+    def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+        self.model = model
+        self.original = types.MethodType(type(model).forward, model)
+        self.compiled = torch.compile(self._step, **compile_kwargs)
+        self.steps = 0  # compiled steps run (for tests and reports)
+        functools.update_wrapper(self, self.original)  # generate inspects forward's signature
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Any:
+        copied = memo.get(id(self.model))  # a deep copy of the model gets its class's plain forward
+        return None if copied is None else types.MethodType(type(copied).forward, copied)
+
+    def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        out = self.original(
+            input_ids=input_ids, position_ids=position_ids, cache=None, use_cache=False, **{PLAN_KWARG: plan}
+        )
+        return out.logits  # [B, 1, V]
+
+    def _paged_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PagedCache | None:
+        cache = kwargs.get("cache")
+        ids = kwargs.get("input_ids")
+        if args or not _STEP_KWARGS.issuperset(kwargs):
+            return None
+        if not isinstance(cache, PagedCache) or cache._pinned is not None:  # pinned: the engine's packed chunks
+            return None
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] != 1 or kwargs.get("use_cache") is False:
+            return None
+        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("return_dict") is False:
+            return None  # an index tensor of logits to keep, or a tuple output: leave those to the model
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if not (isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)):
+            return None
+        return cache
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache = self._paged_cache(args, kwargs)
+        if cache is None:
+            return self.original(*args, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        ids = kwargs["input_ids"]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:  # what the model computes without them: the logical length
+            position_ids = torch.full((1, 1), cache.get_seq_length(), dtype=torch.long, device=ids.device)
+        mask = kwargs.get("attention_mask")
+        padding = mask[:, -1:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, 1]
+        slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding)
+        if tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
+            tables = torch.nn.functional.pad(tables, (0, 1))
+        torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
+        layers = cache.layers
+        kernel = _kernel_usable(cache, layers[0].device)
+        plan = DecodePlan(
+            slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), kernel
+        )  # fmt: skip
+        logits = self.compiled(ids, position_ids, plan)
+        self.steps += 1
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
