@@ -33,7 +33,15 @@ from .._ext import extension_status, load_extension
 from ..errors import IncompatibleOptionsError
 from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
 
-__all__ = ["DECODE_MAX_QUERY", "PagedMask", "dense_attention", "kernel_status", "paged_name", "register"]
+__all__ = [
+    "DECODE_MAX_QUERY",
+    "PagedMask",
+    "dense_attention",
+    "kernel_status",
+    "kernel_usable",
+    "paged_name",
+    "register",
+]
 
 #: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
 DECODE_MAX_QUERY = 16
@@ -180,24 +188,39 @@ def register(base: str) -> str:
     return name
 
 
-def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
-    mode = layer.cache.attention
-    if mode == "gather" or query.shape[2] > DECODE_MAX_QUERY:
+def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether attention over a pool may use the native kernel (the rule shared by eager and compiled steps).
+
+    Args:
+        mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"`` or ``"gather"``.
+        device / dtype / block_size / head_dim: the pool's.
+
+    Raises:
+        IncompatibleOptionsError: ``mode="kernel"`` where the kernel cannot run.
+    """
+    if mode == "gather":
         return False
     usable = (
-        query.device.type == "cpu"
-        and query.dtype in DECODE_KERNEL_DTYPES
-        and layer.keys.shape[1] <= KERNEL_MAX_BLOCK_SIZE
-        and query.shape[-1] % 8 == 0
+        device.type == "cpu"
+        and dtype in DECODE_KERNEL_DTYPES
+        and block_size <= KERNEL_MAX_BLOCK_SIZE
+        and head_dim % 8 == 0
         and native_kernel() is not None
     )
     if mode == "kernel" and not usable:
         raise IncompatibleOptionsError(
             f"PagedCache(attention='kernel') needs a CPU tensor of {DECODE_KERNEL_DTYPES}, block_size <= "
             f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel "
-            f"({kernel_status()}); got {query.dtype} on {query.device}; use attention='auto'"
+            f"({kernel_status()}); got {dtype} on {device}; use attention='auto'"
         )
     return usable
+
+
+def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
+    if query.shape[2] > DECODE_MAX_QUERY:
+        return False  # long chunks: the gather path's dense attention is faster
+    mode = layer.cache.attention
+    return kernel_usable(mode, query.device, query.dtype, layer.keys.shape[1], query.shape[-1])
 
 
 def attend(

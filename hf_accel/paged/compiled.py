@@ -27,15 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..errors import IncompatibleOptionsError
-from .attention import (
-    DECODE_KERNEL_DTYPES,
-    KERNEL_MAX_BLOCK_SIZE,
-    PLAN_KWARG,
-    dense_attention,
-    kernel_status,
-    native_kernel,
-)
+from .attention import PLAN_KWARG, dense_attention, kernel_usable, native_kernel
 from .cache import PAGED_ATTENTION_PREFIX, PagedCache
 
 __all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
@@ -154,22 +146,7 @@ def define_paged_op() -> Callable[..., torch.Tensor]:
 
 def _kernel_usable(cache: PagedCache, device: torch.device) -> bool:
     """Whether the step attends with the native kernel (the same rule as the eager decode path)."""
-    if cache.attention == "gather":
-        return False
-    usable = (
-        device.type == "cpu"
-        and cache.dtype in DECODE_KERNEL_DTYPES
-        and cache.block_size <= KERNEL_MAX_BLOCK_SIZE
-        and cache.head_dim % 8 == 0
-        and native_kernel() is not None
-    )
-    if cache.attention == "kernel" and not usable:
-        raise IncompatibleOptionsError(
-            f"PagedCache(attention='kernel') needs a CPU tensor of {DECODE_KERNEL_DTYPES}, block_size <= "
-            f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel ({kernel_status()}); got "
-            f"{cache.dtype} on {device}; use attention='auto'"
-        )
-    return usable
+    return kernel_usable(cache.attention, device, cache.dtype, cache.block_size, cache.head_dim)
 
 
 #: ``forward`` keyword arguments the compiled step understands; any other (labels, output_attentions,
