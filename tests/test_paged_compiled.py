@@ -167,8 +167,8 @@ def test_no_recompilation_across_steps_and_calls(backend):
     ids, mask = random_batch(2, [5, 8], seed=1)
     patched.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6, **NO_EOS)
     assert _step_graphs() == 1  # one graph for all steps while the block table widened
-    for lengths, new in (([3, 11], 9), ([30, 2], 25), ([12, 2], 12)):  # other prompts, tables 1 to 14 wide
-        ids, mask = random_batch(2, lengths, seed=2)
+    for lengths, new in (([3, 11], 9), ([30, 2], 25), ([12, 2, 7], 12)):  # other prompts and batch sizes,
+        ids, mask = random_batch(len(lengths), lengths, seed=2)  # block tables 1 to 14 wide
         patched.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new, **NO_EOS)
     assert _step_graphs() == 1 and patched.forward.steps == 5 + 8 + 24 + 11
 
@@ -219,14 +219,22 @@ def test_kernel_mode_refuses_what_the_kernel_cannot_take(monkeypatch):
         )
 
 
-def test_speculative_plain_steps_stay_exact():
+def test_speculative_plain_steps_stay_exact_and_rows_leaving_do_not_recompile(monkeypatch):
+    torch._dynamo.reset()
     plain, patched = _pair()
-    ids, mask = random_batch(3, [6, 14, 9], seed=8)
-    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **NO_EOS)
-    got = patched.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=16, prompt_lookup=True, paged=True, **NO_EOS
-    )
+    ids, mask = random_batch(4, [6, 14, 9, 3], seed=8)
+    probe = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **NO_EOS)
+    eos = [int(probe[0, ids.shape[1] + 2]), int(probe[1, ids.shape[1] + 4])]  # rows 0 and 1 stop early
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    batches = []
+    step = patched.forward
+    route = step._paged_cache
+    monkeypatch.setattr(step, "_paged_cache", lambda a, kw: batches.append(kw["input_ids"].shape) or route(a, kw))
+    got = patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, paged=True, **kwargs)
     assert torch.equal(got, expected)
+    assert {(4, 1), (2, 1)} <= set(batches)  # one-token steps at batch 4, then at 2 once half the rows left
+    assert step.steps > 0 and _step_graphs() == 1  # one graph for both batch sizes
 
 
 def test_real_model_greedy_identical_compiled(default_model):

@@ -217,6 +217,9 @@ class CompiledPagedDecode:
         if tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
             tables = torch.nn.functional.pad(tables, (0, 1))
         torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
+        for t in (ids, position_ids, slots, tables, q_pos):  # rows leave mid-call (speculative decoding's
+            if t.shape[0] > 1:  # compaction) and calls differ in batch: one graph for every batch size > 1
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         layers = cache.layers
         kernel = _kernel_usable(cache, layers[0].device)
         plan = DecodePlan(
