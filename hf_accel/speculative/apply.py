@@ -61,8 +61,33 @@ def _strategy_from_config(cfg: SpeculativeConfig, num_tokens: int | None, draft:
     return PromptLookup(max_ngram=cfg.max_ngram, **options)
 
 
-def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
-    """The strategy one call asks for through the plugin keywords, or ``None``."""
+def _kept_strategy(
+    kept: dict[str, tuple[Any, Strategy]], cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None
+) -> Strategy:
+    """The strategy for these options, made once per patched model and reused by the calls that ask for it.
+
+    A keyword-made strategy (``prompt_lookup=True``, ``draft_model=``, ``speculative=True``) would otherwise be
+    new at every call: its step-cost fit (what the fallback decides with) would start from a prior each time,
+    and a self-speculative draft would be quantized again. One strategy per kind is kept; other options replace it.
+    Like a Strategy instance passed by the user, it serves one ``generate`` call at a time.
+    """
+    key = (cfg, num_tokens)
+    entry = kept.get(cfg.strategy)
+    if entry is not None and entry[0] == key and (draft is None or getattr(entry[1], "draft", None) is draft):
+        return entry[1]
+    strategy = _strategy_from_config(cfg, num_tokens, draft)
+    kept[cfg.strategy] = (key, strategy)
+    return strategy
+
+
+def _resolve(
+    values: dict[str, Any], cfg: SpeculativeConfig, kept: dict[str, tuple[Any, Strategy]] | None = None
+) -> Strategy | None:
+    """The strategy one call asks for through the plugin keywords, or ``None``.
+
+    ``kept``: the patched model's keyword-made strategies (reused across calls); ``None`` makes new ones.
+    """
+    kept = {} if kept is None else kept
     spec, lookup = values.get("speculative"), values.get("prompt_lookup")
     draft, k = values.get("draft_model"), values.get("num_speculative_tokens")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -79,9 +104,9 @@ def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
             )
         return spec
     if spec is True:
-        return _strategy_from_config(cfg, k, None)
+        return _kept_strategy(kept, cfg, k, None)
     if isinstance(spec, SpeculativeConfig):
-        return _strategy_from_config(spec, k, None)
+        return _kept_strategy(kept, spec, k, None)
     if spec not in (None, False):
         raise IncompatibleOptionsError(
             f"generate(speculative=...) takes a Strategy, a SpeculativeConfig or True, got {type(spec).__name__}"
@@ -89,9 +114,9 @@ def _resolve(values: dict[str, Any], cfg: SpeculativeConfig) -> Strategy | None:
     if lookup:
         if lookup is not True:
             raise IncompatibleOptionsError(f"generate(prompt_lookup=...) takes True, got {lookup!r}")
-        return _strategy_from_config(dataclasses.replace(cfg, strategy="prompt_lookup"), k, None)
+        return _kept_strategy(kept, dataclasses.replace(cfg, strategy="prompt_lookup"), k, None)
     if draft is not None:
-        return _strategy_from_config(dataclasses.replace(cfg, strategy="draft"), k, draft)
+        return _kept_strategy(kept, dataclasses.replace(cfg, strategy="draft"), k, draft)
     if k is not None:
         raise IncompatibleOptionsError("num_speculative_tokens= needs draft_model=, prompt_lookup=True or speculative=")
     return None
@@ -124,7 +149,7 @@ def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig
         return apply
 
     def hook(model: nn.Module, call: GenerateCall) -> None:
-        strategy = _resolve(call.notes.get(FEATURE, {}), cfg)
+        strategy = _resolve(call.notes.get(FEATURE, {}), cfg, state.extras.setdefault("speculative_strategies", {}))
         if strategy is None:
             return
         _check_call(call)
