@@ -161,8 +161,9 @@ class Strategy:
 
     def policy(self, target: torch.nn.Module) -> SpeculationPolicy:
         """A fresh per-call policy; the step-cost fit of ``target`` is kept across the calls that reuse this
-        strategy instance (it describes the model on this machine, not the prompt). A strategy made per call by
-        ``prompt_lookup=True`` / ``speculative=True`` starts its fit afresh."""
+        strategy instance (it describes the model on this machine, not the prompt). Strategies made from
+        ``generate`` keywords (``prompt_lookup=True``, ``speculative=True``, ``draft_model=``) are kept by the
+        patched model, so their fit persists too."""
         cost = self._costs.get(target)
         if cost is None:
             cost = self._costs[target] = StepCost()
