@@ -13,6 +13,7 @@ import hf_accel
 from hf_accel import CompileConfig, IncompatibleOptionsError, PagedCache
 from hf_accel.paged import attention as paged_attention
 from hf_accel.paged.compiled import CompiledPagedDecode, define_paged_op, table_attention
+from hf_accel.speculative import PromptLookup
 
 TRACE = CompileConfig(backend="eager", fullgraph=True)  # dynamo tracing without Inductor: quick, same graph
 NO_EOS = dict(do_sample=False, eos_token_id=None)
@@ -195,17 +196,27 @@ def test_not_compiled_without_paged_attention():
     assert counts["paged decode step not compiled (paged attention is off)"] == 1
 
 
-def test_calls_the_step_does_not_cover_run_eagerly():
-    _, patched = _pair()
-    ids, mask = random_batch(2, [4, 9], seed=2)
+def test_which_calls_run_compiled():
+    plain, patched = _pair()
+    ids, mask = random_batch(2, [20, 9], seed=2)
     cache = PagedCache(patched)
     cache.start(ids, mask)
     with torch.no_grad():
-        patched(input_ids=ids, attention_mask=mask, cache=cache)  # a prompt: eager
+        expected = plain(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask, cache=cache, logits_to_keep=1).logits  # 20 > 16 tokens
+        assert patched.forward.steps == 0  # a long prompt: eager
+        assert_close(got[:, -1], expected[:, -1], atol=1e-5, rtol=1e-4, name="prompt")  # fp32, packed linears
+        chunk = torch.tensor([[5, 7, 9], [6, 8, 10]])  # a short chunk wanting every logit: compiled
+        mask = torch.cat([mask, torch.ones_like(chunk)], 1)
+        got = patched(input_ids=chunk, attention_mask=mask, cache=cache).logits
+        assert patched.forward.steps == 1 and got.shape == (2, 3, 256)
+        full = torch.cat([ids, chunk], 1)
+        expected = plain(input_ids=full, attention_mask=mask).logits[:, -3:]
+        assert_close(got, expected, atol=1e-5, rtol=1e-4, name="chunk")  # fp32, packed linears
         nxt = torch.tensor([[5], [6]])
-        full = torch.cat([mask, torch.ones_like(nxt)], 1)
-        out = patched(input_ids=nxt, attention_mask=full, cache=cache, output_hidden_states=True)
-    assert patched.forward.steps == 0 and out.hidden_states is not None  # an option the step lacks: eager
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        out = patched(input_ids=nxt, attention_mask=mask, cache=cache, output_hidden_states=True)
+    assert patched.forward.steps == 1 and out.hidden_states is not None  # an option the step lacks: eager
 
 
 def test_kernel_mode_refuses_what_the_kernel_cannot_take(monkeypatch):
@@ -219,10 +230,11 @@ def test_kernel_mode_refuses_what_the_kernel_cannot_take(monkeypatch):
         )
 
 
-def test_speculative_plain_steps_stay_exact_and_rows_leaving_do_not_recompile(monkeypatch):
+def test_speculative_steps_and_chunks_compiled_exact_and_without_recompiling(monkeypatch):
     torch._dynamo.reset()
     plain, patched = _pair()
     ids, mask = random_batch(4, [6, 14, 9, 3], seed=8)
+    ids[:, -4:] = ids[:, -8:-4]  # every row ends by repeating 4 tokens: prompt lookup finds matches to verify
     probe = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **NO_EOS)
     eos = [int(probe[0, ids.shape[1] + 2]), int(probe[1, ids.shape[1] + 4])]  # rows 0 and 1 stop early
     kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=PAD)
@@ -230,11 +242,24 @@ def test_speculative_plain_steps_stay_exact_and_rows_leaving_do_not_recompile(mo
     batches = []
     step = patched.forward
     route = step._paged_cache
-    monkeypatch.setattr(step, "_paged_cache", lambda a, kw: batches.append(kw["input_ids"].shape) or route(a, kw))
-    got = patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, paged=True, **kwargs)
+
+    def spy(args, kw):
+        cache = route(args, kw)
+        batches.append((*kw["input_ids"].shape, cache is not None))
+        return cache
+
+    monkeypatch.setattr(step, "_paged_cache", spy)
+    lookup = PromptLookup(num_tokens=4, fallback=False)  # always verify what it finds
+    got = patched.generate(input_ids=ids, attention_mask=mask, speculative=lookup, paged=True, **kwargs)
     assert torch.equal(got, expected)
-    assert {(4, 1), (2, 1)} <= set(batches)  # one-token steps at batch 4, then at 2 once half the rows left
-    assert step.steps > 0 and _step_graphs() == 1  # one graph for both batch sizes
+    assert {(4, 5, True), (2, 1, True), (1, 1, True)} <= set(batches)  # chunks of 1 + 4 drafts, then rows leave
+    assert all(compiled for _, w, compiled in batches if w <= 16 and w != ids.shape[1])  # all but the prompt
+    graphs = _step_graphs()
+    assert graphs == 3  # one-token steps at batch >= 2 and at batch 1 (size 1 is always specialised), chunks
+    lookup = PromptLookup(num_tokens=6, fallback=False)  # chunks 7 wide now
+    got = patched.generate(input_ids=ids, attention_mask=mask, speculative=lookup, paged=True, **kwargs)
+    assert torch.equal(got, expected) and (4, 7, True) in batches
+    assert _step_graphs() == graphs  # chunk width and batch are dynamic: no recompilation
 
 
 def test_real_model_greedy_identical_compiled(default_model):

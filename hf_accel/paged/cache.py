@@ -647,29 +647,32 @@ class PagedCache(Cache):
             ctx_slots=[None] * B,
         )
 
-    def decode_plan(self, batch: int, padding: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Plan a one-token step for a forward that writes the pools itself (the compiled decode step).
+    def decode_plan(
+        self, batch: int, padding: torch.Tensor | None, q_len: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan a short chunk for a forward that writes the pools itself (the compiled decode step).
 
-        Allocates the step's slots exactly as the eager path does at its first layer and performs the
+        Allocates the chunk's slots exactly as the eager path does at its first layer and performs the
         copy-on-write block copies on every layer.
 
         Args:
             batch: rows in the forward.
-            padding: ``[B, 1]`` True where the row's token is real; ``None`` = all real.
+            padding: ``[B, Q]`` True where the row's token is real; ``None`` = all real.
+            q_len: tokens per row in the chunk (1 for a decode step, more for a speculative verification).
 
         Returns:
-            ``slots`` ``[B]`` int64 (-1: the row stores nothing), ``block_tables`` ``[B, MB]`` int32 and ``q_pos``
-            ``[B, 1]`` int32 (-1: the row attends to nothing), on the first layer's device.
+            ``slots`` ``[B*Q]`` int64 (-1: the token is not stored), ``block_tables`` ``[B, MB]`` int32 and
+            ``q_pos`` ``[B, Q]`` int32 (-1: the token attends to nothing), on the first layer's device.
 
         Raises:
             CacheFullError / IncompatibleOptionsError: as for any forward (pool exhausted, wrong batch).
         """
-        step = self._plan(batch, 1, padding)
+        step = self._plan(batch, q_len, padding)
         self._step = None  # the plan is this step's only; an eager forward after it plans its own
         for layer in self.layers:
             layer.copy_blocks(step.copies)
-        slots = torch.full((batch,), -1, dtype=torch.int64)
-        slots[step.valid[:, 0]] = step.slots
+        slots = torch.full((batch * q_len,), -1, dtype=torch.int64)
+        slots[step.valid.flatten()] = step.slots  # row-major, as the rows' slots were allocated
         device = self.layers[0].device
         return slots.to(device), step.block_tables.to(device), step.q_pos.to(device)
 

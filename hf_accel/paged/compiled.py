@@ -1,4 +1,6 @@
-"""A compiled one-token decode step over the :class:`~.cache.PagedCache` (the ``compile`` feature's paged part).
+"""A compiled decode step over the :class:`~.cache.PagedCache` (the ``compile`` feature's paged part).
+
+It serves one-token decode steps and short chunks whose every logit is needed (speculative verification).
 
 The eager paged path plans each forward inside attention (block allocation, the K/V tag on ``update``'s
 output): Python that ``torch.compile`` cannot trace. The compiled step moves that bookkeeping out of the graph:
@@ -11,9 +13,10 @@ output): Python that ``torch.compile`` cannot trace. The compiled step moves tha
    writes the new K/V into that layer's pool and attends over it (native kernel on CPU, a gather reference
    elsewhere). The op is opaque to Inductor, which compiles everything around it.
 
-The plan's tensors are graph inputs, so the graph is reused across steps and ``generate`` calls; only the
-block-table width is a dynamic dimension (it grows with the context). Prompts, multi-token chunks and calls
-with options the step does not cover run the original, eager forward.
+The plan's tensors are graph inputs, so the graph is reused across steps and ``generate`` calls; the batch,
+the chunk width and the block-table width (it grows with the context) are dynamic dimensions. Prompts (which
+want only the last logits), chunks longer than ``DECODE_MAX_QUERY`` and calls with options the step does not
+cover run the original, eager forward.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .attention import PLAN_KWARG, dense_attention, kernel_usable, native_kernel
+from .attention import DECODE_MAX_QUERY, PLAN_KWARG, dense_attention, kernel_usable, native_kernel
 from .cache import PAGED_ATTENTION_PREFIX, PagedCache
 
 __all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
@@ -163,9 +166,10 @@ class CompiledPagedDecode:
         model: the patched model (paged attention already switched on).
         compile_kwargs: arguments for ``torch.compile``.
 
-    A call runs compiled when it feeds ``[B, 1]`` ``input_ids`` with a :class:`PagedCache` (not pinned by the
-    engine) and only the keyword arguments ``generate`` uses for a decode step; everything else goes to the
-    original ``forward`` unchanged.
+    A call runs compiled when it feeds ``[B, 1]`` ``input_ids`` (a decode step), or ``[B, W]`` with
+    ``W <= DECODE_MAX_QUERY`` and every position's logits (a speculative verification chunk), with a
+    :class:`PagedCache` (not pinned by the engine) and only the keyword arguments ``generate`` uses for a decode
+    step; everything else (prompts, long chunks, other options) goes to the original ``forward`` unchanged.
     """
 
     def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
@@ -183,7 +187,7 @@ class CompiledPagedDecode:
         out = self.original(
             input_ids=input_ids, position_ids=position_ids, cache=None, use_cache=False, **{PLAN_KWARG: plan}
         )
-        return out.logits  # [B, 1, V]
+        return out.logits  # [B, W, V]
 
     def _paged_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PagedCache | None:
         cache = kwargs.get("cache")
@@ -192,10 +196,14 @@ class CompiledPagedDecode:
             return None
         if not isinstance(cache, PagedCache) or cache._pinned is not None:  # pinned: the engine's packed chunks
             return None
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[1] != 1 or kwargs.get("use_cache") is False:
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or kwargs.get("use_cache") is False:
             return None
-        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("return_dict") is False:
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(keep, int) or kwargs.get("return_dict") is False:
             return None  # an index tensor of logits to keep, or a tuple output: leave those to the model
+        width = ids.shape[1]
+        if width != 1 and not (width <= DECODE_MAX_QUERY and keep == 0):
+            return None  # prompts (last logits only) and long chunks run eagerly; verification chunks compiled
         impl = getattr(self.model.config, "_attn_implementation", None)
         if not (isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)):
             return None
@@ -210,16 +218,22 @@ class CompiledPagedDecode:
         ids = kwargs["input_ids"]
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # what the model computes without them: the logical length
-            position_ids = torch.full((1, 1), cache.get_seq_length(), dtype=torch.long, device=ids.device)
+            start = cache.get_seq_length()
+            position_ids = torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # [1, W]
         mask = kwargs.get("attention_mask")
-        padding = mask[:, -1:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, 1]
-        slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding)
+        width = ids.shape[1]
+        padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
+        slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
         if tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
             tables = torch.nn.functional.pad(tables, (0, 1))
         torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
         for t in (ids, position_ids, slots, tables, q_pos):  # rows leave mid-call (speculative decoding's
             if t.shape[0] > 1:  # compaction) and calls differ in batch: one graph for every batch size > 1
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        if width > 1:  # verification chunks of any width share one graph (width 1 keeps its own)
+            for t in (ids, position_ids, q_pos):
+                if t.shape[1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
         layers = cache.layers
         kernel = _kernel_usable(cache, layers[0].device)
         plan = DecodePlan(
