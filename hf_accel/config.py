@@ -129,9 +129,10 @@ class CompileConfig:
             multi-token chunks stay eager). ``None``: on for accelerators, off on CPU, where the compiled call
             costs more than it saves once the weights are packed (decode 1.40x vs 1.62x of plain generate,
             measured in docs/compile.md).
-        decode_step: compile the whole one-token decode step where the cache allows it: over hf_accel's
-            paged cache (``generate(paged=True)``; the model's ``forward`` is bound per instance and runs
-            compiled for ``[B, 1]`` steps, eager otherwise), and, for a ``generate`` call with a static cache
+        decode_step: compile the whole decode step where the cache allows it: over hf_accel's paged cache
+            (``generate(paged=True)``; the model's ``forward`` is bound per instance and runs compiled for
+            ``[B, 1]`` steps and chunks of up to 16 tokens that want every logit, such as speculative
+            verification; eager otherwise), and, for a ``generate`` call with a static cache
             (``cache_implementation="static"``), by letting Transformers compile its step, on CPU too.
         mode: ``"default"``, ``"reduce-overhead"``, ``"max-autotune"`` or ``"max-autotune-no-cudagraphs"``.
         dynamic: ``True``: compile shape-generic graphs; ``False``: PyTorch's default (static first, then

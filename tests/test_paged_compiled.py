@@ -181,7 +181,7 @@ def test_unpatch_restores_the_class_forward_and_copies_stay_plain():
     hf_accel.patch_model(model, compile=TRACE)
     assert isinstance(model.forward, CompiledPagedDecode)
     counts = hf_accel.patch_report(model)["changes"]["compile"]
-    assert counts["paged decode step compiled (one-token steps)"] == 1
+    assert counts["paged decode step compiled (one-token steps and verification chunks)"] == 1
     twin = copy.deepcopy(model)
     assert twin.forward.__self__ is twin and twin.forward.__func__ is type(model).forward
     hf_accel.unpatch_model(model)

@@ -29,7 +29,7 @@ from ..config import PagedConfig
 from ..errors import IncompatibleOptionsError, NotPatchedError
 from ..generate import _device_of
 from ..paged.attention import DECODE_MAX_QUERY
-from ..paged.cache import PAGED_ATTENTION_PREFIX, PagedCache
+from ..paged.cache import PagedCache, uses_paged_attention
 from ..speculative.verify import verify_greedy, verify_sampling
 from .request import END, FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec
 from .scheduler import Phase, Scheduler, SeqState, Work
@@ -94,8 +94,7 @@ class Engine:
         from ..patch import _get_state
 
         state = _get_state(model)
-        impl = getattr(model.config, "_attn_implementation", "") or ""
-        if state is None or state.config.paged is None or not impl.startswith(PAGED_ATTENTION_PREFIX):
+        if state is None or state.config.paged is None or not uses_paged_attention(model):
             raise NotPatchedError(
                 "Engine drives a model patched with the paged feature: call hf_accel.patch_model(model) first"
             )

@@ -7,7 +7,7 @@ Three independent parts (see :class:`~hf_accel.config.CompileConfig`):
   values) and restored bitwise by ``unpatch_model``; a tied LM head keeps its float weight for the embedding.
 * ``mlp`` — each :class:`~.mlp.FusedGatedMLP` routes decode steps (``[B, 1, H]``) through one ``torch.compile``'d
   function shared by all layers (weights are arguments, so 30 layers are one graph, not 30 recompiles).
-* ``decode_step`` — one-token decode steps over hf_accel's paged cache run compiled
+* ``decode_step`` — decode steps and short verification chunks over hf_accel's paged cache run compiled
   (:class:`~hf_accel.paged.compiled.CompiledPagedDecode`, bound as the instance's ``forward`` when the paged
   feature is on), and a ``generate`` call with ``cache_implementation="static"`` gets Transformers'
   ``compile_config`` (with CPU allowed), so Transformers compiles its decode step.
@@ -28,7 +28,7 @@ from ..config import CompileConfig
 from ..dispatch import check_resident, is_sharded, transfer_hook
 from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..generate import GenerateCall
-from ..paged.cache import PAGED_ATTENTION_PREFIX
+from ..paged.cache import uses_paged_attention
 from ..paged.compiled import CompiledPagedDecode, define_paged_op
 from ..recorder import Recorder
 from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
@@ -171,8 +171,7 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
 
 def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Recorder) -> None:
     """Bind the compiled paged decode step as ``model.forward`` (when paged attention is on, on one device)."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if not (isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)):
+    if not uses_paged_attention(model):
         recorder.note(FEATURE, "paged decode step not compiled (paged attention is off)")
         return
     devices = {p.device for p in model.parameters()}
@@ -181,7 +180,8 @@ def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Rec
         return
     define_paged_op()
     step = CompiledPagedDecode(model, config.compile_kwargs())
-    recorder.set_instance_attr(FEATURE, model, "forward", step, "paged decode step compiled (one-token steps)")
+    note = "paged decode step compiled (one-token steps and verification chunks)"
+    recorder.set_instance_attr(FEATURE, model, "forward", step, note)
 
 
 def bind_compile(model: nn.Module, state: PatchState, config: CompileConfig) -> None:

@@ -17,7 +17,7 @@ from ..generate import GenerateCall, GenerateKwarg
 from ..recorder import Recorder
 from ..registry import ModelParts
 from .attention import register
-from .cache import PAGED_ATTENTION_PREFIX, PagedCache
+from .cache import PAGED_ATTENTION_PREFIX, PagedCache, uses_paged_attention
 from .runner import run_paged
 
 if TYPE_CHECKING:
@@ -74,10 +74,10 @@ def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
     inputs; through the paged mask function they would come out as ``PagedMask`` objects, which its mask code
     does not accept. Non-paged calls therefore use the base implementation for their whole duration.
     """
+    if not uses_paged_attention(model):
+        return proceed()
     config = model.config
     name = config._attn_implementation
-    if not (isinstance(name, str) and name.startswith(PAGED_ATTENTION_PREFIX)):
-        return proceed()
     config._attn_implementation = name.split(":", 1)[1]
     try:
         return proceed()

@@ -32,6 +32,20 @@ logger = logging.getLogger(__name__)
 
 #: Attention implementations registered by hf_accel are named ``"hf_accel_paged:<base>"``.
 PAGED_ATTENTION_PREFIX = "hf_accel_paged:"
+
+
+def uses_paged_attention(model: nn.Module) -> bool:
+    """Whether ``model`` currently runs hf_accel's paged attention (its ``_attn_implementation`` is a paged one)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    return isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)
+
+
+def token_slots(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """Pool slots of a sequence's first ``n`` tokens through its block ``table`` ([blocks]) -> [n] int64."""
+    t = torch.arange(n, device=table.device)
+    return table.long()[t // block_size] * block_size + t % block_size
+
+
 #: Attribute set on the K tensor ``update`` returns: the :class:`PagedLayer` it belongs to.
 LAYER_TAG = "_hf_accel_paged_layer"
 
@@ -727,8 +741,7 @@ class PagedCache(Cache):
             seq = self._rows[row]
             n = self.manager.num_tokens(seq) if seq is not None else 0
             table = torch.tensor(self.manager.block_table(seq) if seq is not None else [], dtype=torch.int64)
-            t = torch.arange(n)
-            cached = table[t // self.block_size] * self.block_size + t % self.block_size if n else t
+            cached = token_slots(table, n, self.block_size)
             step.ctx_slots[row] = cached
         return cached
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .attention import DECODE_MAX_QUERY, PLAN_KWARG, dense_attention, kernel_usable, native_kernel
-from .cache import PAGED_ATTENTION_PREFIX, PagedCache
+from .cache import PagedCache, token_slots, uses_paged_attention
 
 __all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
 
@@ -40,12 +40,13 @@ _OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registrat
 
 
 class DecodePlan(NamedTuple):
-    """One decode step's plan, passed to every layer's attention (all tensors on the layers' device).
+    """One compiled step's plan (``Q`` new tokens per row), passed to every layer's attention (on its device).
 
     Args:
-        slots: ``[B]`` int64 pool slot of each row's new token; -1 for a row that stores nothing (released).
+        slots: ``[B*Q]`` int64 pool slot of each new token (row-major); -1 for a token not stored (a released
+            row, a hole).
         block_tables: ``[B, MB]`` int32.
-        q_pos: ``[B, 1]`` int32 index of each row's new token in its sequence; -1 for a released row.
+        q_pos: ``[B, Q]`` int32 index of each new token in its sequence; -1 for a token not stored.
         keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
         kernel: attend with the native kernel (else the gather reference).
     """
@@ -91,9 +92,7 @@ def table_attention(
         real = (pos >= 0).nonzero().flatten()
         if real.numel() == 0:
             continue
-        n = int(pos.max()) + 1
-        t = torch.arange(n, device=query.device)
-        slots = block_tables[row].long()[t // block] * block + t % block  # [n]
+        slots = token_slots(block_tables[row], int(pos.max()) + 1, block)  # [n]
         k = flat_k.index_select(0, slots).transpose(0, 1)  # [H_kv, n, D]
         v = flat_v.index_select(0, slots).transpose(0, 1)
         o = dense_attention(query[row][:, real], k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
@@ -147,11 +146,6 @@ def define_paged_op() -> Callable[..., torch.Tensor]:
     return torch.ops.hf_accel.paged_decode
 
 
-def _kernel_usable(cache: PagedCache, device: torch.device) -> bool:
-    """Whether the step attends with the native kernel (the same rule as the eager decode path)."""
-    return kernel_usable(cache.attention, device, cache.dtype, cache.block_size, cache.head_dim)
-
-
 #: ``forward`` keyword arguments the compiled step understands; any other (labels, output_attentions,
 #: inputs_embeds, ...) sends the call to the eager forward.
 _STEP_KWARGS = frozenset(
@@ -160,7 +154,7 @@ _STEP_KWARGS = frozenset(
 
 
 class CompiledPagedDecode:
-    """A model's ``forward`` (bound on the instance) that runs one-token paged decode steps compiled.
+    """A model's ``forward`` (bound on the instance) that runs paged decode steps and verification chunks compiled.
 
     Args:
         model: the patched model (paged attention already switched on).
@@ -204,10 +198,7 @@ class CompiledPagedDecode:
         width = ids.shape[1]
         if width != 1 and not (width <= DECODE_MAX_QUERY and keep == 0):
             return None  # prompts (last logits only) and long chunks run eagerly; verification chunks compiled
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if not (isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)):
-            return None
-        return cache
+        return cache if uses_paged_attention(self.model) else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = self._paged_cache(args, kwargs)
@@ -216,12 +207,12 @@ class CompiledPagedDecode:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         ids = kwargs["input_ids"]
+        width = ids.shape[1]
         position_ids = kwargs.get("position_ids")
         if position_ids is None:  # what the model computes without them: the logical length
             start = cache.get_seq_length()
-            position_ids = torch.arange(start, start + ids.shape[1], device=ids.device)[None]  # [1, W]
+            position_ids = torch.arange(start, start + width, device=ids.device)[None]  # [1, W]
         mask = kwargs.get("attention_mask")
-        width = ids.shape[1]
         padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
         if tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
@@ -235,7 +226,7 @@ class CompiledPagedDecode:
                 if t.shape[1] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
         layers = cache.layers
-        kernel = _kernel_usable(cache, layers[0].device)
+        kernel = kernel_usable(cache.attention, layers[0].device, cache.dtype, cache.block_size, cache.head_dim)
         plan = DecodePlan(
             slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), kernel
         )  # fmt: skip
