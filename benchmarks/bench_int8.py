@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Decode speed of int8 backends vs fp32 and bf16 plain generate on the real model, same run.
 
-    python benchmarks/bench_int8.py [--max-new-tokens 128] [--batch 1 8] [--skip-slow]
+    python benchmarks/bench_int8.py [--max-new-tokens 128] [--batch 1 8] [--skip-slow] [--stack] [--repeats 1]
 
-Variants: fp32, bf16 weights, hf_accel int8 (native backend), hf_accel int8 through bitsandbytes
-(``Int8Config(backend="bitsandbytes")``), and ``torch.ao`` dynamic qint8 (``--skip-slow`` drops bitsandbytes).
+Variants: fp32, bf16 weights, hf_accel int8 (native backend: weight-only, and W8A8 with
+``Int8Config(activations="int8")``), hf_accel int8 through bitsandbytes
+(``Int8Config(backend="bitsandbytes")``), and ``torch.ao`` dynamic qint8 (``--skip-slow`` drops bitsandbytes);
+``--stack`` adds fp32 / int8 / W8A8 with the paged cache and the compiled decode step (``compile=True``).
 Prints decode tokens/s (aggregate over the batch), ratios against fp32 and bf16 measured in this process,
 greedy agreement with fp32, perplexity on a fixed English text, the bytes held by the linear layers' weights
 and the resident memory each variant added when it was built (RSS delta, MB).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import statistics
 import warnings
 from collections.abc import Callable
 
@@ -22,29 +25,31 @@ import torch
 
 import hf_accel
 from hf_accel.bench import load_prompts, perplexity
+from hf_accel.fused.packed import PackedLinear
 from hf_accel.quant import Int8Linear
 from hf_accel.quant.bnb import is_bnb_linear
 
 
-def decode_rate(model, inputs, new_tokens: int) -> tuple[float, torch.Tensor]:
+def decode_rate(model, inputs, new_tokens: int, **kwargs) -> tuple[float, torch.Tensor]:
     from hf_accel.metrics import TimingStreamer
 
     batch = inputs["input_ids"].shape[0]
     with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=4, do_sample=False, min_new_tokens=4)  # warm-up
+        model.generate(**inputs, max_new_tokens=4, do_sample=False, min_new_tokens=4, **kwargs)  # warm-up
         if batch == 1:
             streamer = TimingStreamer()
             out = model.generate(
-                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer
-            )
+                **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer,
+                **kwargs,
+            )  # fmt: skip
             return streamer.timing().decode_tokens_per_s, out
         import time
 
         start = time.perf_counter()
-        model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        model.generate(**inputs, max_new_tokens=1, do_sample=False, **kwargs)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
         return batch * (new_tokens - 1) / (time.perf_counter() - start - prefill), out
 
 
@@ -53,6 +58,8 @@ def linear_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, Int8Linear):
             total += m.quantized.nbytes()
+        elif isinstance(m, PackedLinear):  # compile=True: the float weight pre-packed (same bytes)
+            total += m.packed.numel() * m.packed.element_size()
         elif is_bnb_linear(m):
             total += m.weight.numel() + m.out_features * 4  # int8 values + fp32 row scales
         elif type(m) is torch.nn.Linear:
@@ -90,6 +97,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--skip-slow", action="store_true", help="leave out bitsandbytes (0.5x fp32 on CPU)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the variants; medians are printed")
+    parser.add_argument("--stack", action="store_true", help="add variants with the paged cache + compiled step")
     args = parser.parse_args()
     model, tok = hf_accel.load_default()
     tok.padding_side = "left"
@@ -98,11 +107,26 @@ def main() -> None:
         "fp32": lambda: copy.deepcopy(model),
         "bf16": lambda: copy.deepcopy(model).to(torch.bfloat16),
         "int8 hf_accel native": lambda: hf_accel.patch_model(copy.deepcopy(model), int8=True, **plain),
+        "int8 W8A8 hf_accel native": lambda: hf_accel.patch_model(
+            copy.deepcopy(model), int8=hf_accel.Int8Config(activations="int8"), **plain
+        ),
         "int8 hf_accel bitsandbytes": lambda: hf_accel.patch_model(
             copy.deepcopy(model), int8=hf_accel.Int8Config(backend="bitsandbytes"), **plain
         ),
         "torch.ao dynamic qint8": lambda: torch_ao_dynamic(copy.deepcopy(model)),
     }
+    # the same with hf_accel's paged cache and compiled decode step (generate(paged=True)): fp32 shows what the
+    # rest of the stack gives without int8
+    stack = dict(fused_mlp=False, speculative=False, compile=True)
+    stacked = {
+        "fp32 + paged + compiled step": lambda: hf_accel.patch_model(copy.deepcopy(model), **stack),
+        "int8 native + paged + compiled step": lambda: hf_accel.patch_model(copy.deepcopy(model), int8=True, **stack),
+        "int8 W8A8 + paged + compiled step": lambda: hf_accel.patch_model(
+            copy.deepcopy(model), int8=hf_accel.Int8Config(activations="int8"), **stack
+        ),
+    }
+    if args.stack:
+        makers.update(stacked)
     if args.skip_slow:
         del makers["int8 hf_accel bitsandbytes"]
     variants, rss = {}, {}
@@ -116,9 +140,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batch:
         inputs = tok(load_prompts("chat", tok, batch), return_tensors="pt", padding=True)
-        rates, outs = {}, {}
-        for name, m in variants.items():
-            rates[name], outs[name] = decode_rate(m, inputs, args.max_new_tokens)
+        runs: dict[str, list[float]] = {name: [] for name in variants}
+        outs = {}
+        for _ in range(args.repeats):  # rounds over all variants: slow drifts of the machine hit them alike
+            for name, m in variants.items():
+                kwargs = {"paged": True} if name in stacked else {}
+                rate, outs[name] = decode_rate(m, inputs, args.max_new_tokens, **kwargs)
+                runs[name].append(rate)
+        rates = {name: statistics.median(r) for name, r in runs.items()}
         n = inputs["input_ids"].shape[1]
         for name, m in variants.items():
             same = (outs[name][:, n:] == outs["fp32"][:, n:]).float().mean().item()

@@ -28,16 +28,31 @@ _modules: dict[str, ModuleType | None] = {}
 _status: dict[str, str] = {}
 
 
-#: instruction set -> (CPU capabilities that run it, compiler flags)
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+#: instruction set -> (CPU capabilities that run it, extra /proc/cpuinfo flags it needs, compiler flags)
 _ISAS = {
-    "avx2": (("AVX2", "AVX512"), ["-mavx2", "-mfma"]),
-    "avx512": (("AVX512",), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
+    "avx2": (("AVX2", "AVX512"), (), ["-mavx2", "-mfma"]),
+    "avx512": (("AVX512",), (), _AVX512),
+    "avx512vnni": (("AVX512",), ("avx512_vnni",), [*_AVX512, "-mavx512vnni"]),
 }
 
 
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none: the extra ISAs are then off)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cpu_supports(isa: str) -> bool:
+    capabilities, flags, _ = _ISAS[isa]
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
-    return capability in _ISAS[isa][0]
+    return capability in capabilities and set(flags) <= _cpu_flags()
 
 
 @contextlib.contextmanager
@@ -79,7 +94,7 @@ def _build(name: str, source: Path, isa: str) -> ModuleType:
         return load(
             name=f"hf_accel_{name}",
             sources=[str(source)],
-            extra_cflags=["-O3", *_ISAS[isa][1], "-fopenmp"],
+            extra_cflags=["-O3", *_ISAS[isa][2], "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(_INCLUDE)],
             build_directory=str(build_dir),
@@ -93,7 +108,8 @@ def load_extension(name: str, source: Path, isa: str = "avx2") -> ModuleType | N
     Args:
         name: a short identifier (``"int8_gemm"``, ``"paged_attention"``).
         source: the C++ file.
-        isa: the instruction set it is compiled for: ``"avx2"`` (AVX2 + FMA) or ``"avx512"``.
+        isa: the instruction set it is compiled for: ``"avx2"`` (AVX2 + FMA), ``"avx512"`` or ``"avx512vnni"``
+            (AVX-512 with VNNI int8 dot products).
 
     Returns:
         The module, or ``None`` when the CPU lacks ``isa`` or the build failed (logged once, reason in
@@ -102,7 +118,7 @@ def load_extension(name: str, source: Path, isa: str = "avx2") -> ModuleType | N
     if name not in _modules:
         if not _cpu_supports(isa):
             _modules[name] = None
-            _status[name] = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks {isa.upper()}"
+            _status[name] = f"this CPU lacks {isa.upper()} (capability {torch.backends.cpu.get_cpu_capability()})"
         else:
             try:
                 _modules[name] = _build(name, source, isa)

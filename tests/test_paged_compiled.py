@@ -19,11 +19,11 @@ TRACE = CompileConfig(backend="eager", fullgraph=True)  # dynamo tracing without
 NO_EOS = dict(do_sample=False, eos_token_id=None)
 
 
-def _step_graphs() -> int:
-    """Graphs compiled for the decode step's frame (the fused MLPs' own graphs are not counted)."""
+def _step_graphs(model) -> int:
+    """Graphs compiled for ``model``'s decode step (the fused MLPs' own graphs are not counted)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return len(_debug_get_cache_entry_list(CompiledPagedDecode._step.__code__))
+    return len(_debug_get_cache_entry_list(model.forward.step_code))
 
 
 def _pair(arch: str = "llama", config: CompileConfig = TRACE, **overrides):
@@ -167,11 +167,11 @@ def test_no_recompilation_across_steps_and_calls(backend):
     cache = PagedCache(patched, block_size=4)
     ids, mask = random_batch(2, [5, 8], seed=1)
     patched.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=6, **NO_EOS)
-    assert _step_graphs() == 1  # one graph for all steps while the block table widened
+    assert _step_graphs(patched) == 1  # one graph for all steps while the block table widened
     for lengths, new in (([3, 11], 9), ([30, 2], 25), ([12, 2, 7], 12)):  # other prompts and batch sizes,
         ids, mask = random_batch(len(lengths), lengths, seed=2)  # block tables 1 to 14 wide
         patched.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new, **NO_EOS)
-    assert _step_graphs() == 1 and patched.forward.steps == 5 + 8 + 24 + 11
+    assert _step_graphs(patched) == 1 and patched.forward.steps == 5 + 8 + 24 + 11
 
 
 def test_unpatch_restores_the_class_forward_and_copies_stay_plain():
@@ -254,12 +254,24 @@ def test_speculative_steps_and_chunks_compiled_exact_and_without_recompiling(mon
     assert torch.equal(got, expected)
     assert {(4, 5, True), (2, 1, True), (1, 1, True)} <= set(batches)  # chunks of 1 + 4 drafts, then rows leave
     assert all(compiled for _, w, compiled in batches if w <= 16 and w != ids.shape[1])  # all but the prompt
-    graphs = _step_graphs()
+    graphs = _step_graphs(patched)
     assert graphs == 3  # one-token steps at batch >= 2 and at batch 1 (size 1 is always specialised), chunks
     lookup = PromptLookup(num_tokens=6, fallback=False)  # chunks 7 wide now
     got = patched.generate(input_ids=ids, attention_mask=mask, speculative=lookup, paged=True, **kwargs)
     assert torch.equal(got, expected) and (4, 7, True) in batches
-    assert _step_graphs() == graphs  # chunk width and batch are dynamic: no recompilation
+    assert _step_graphs(patched) == graphs  # chunk width and batch are dynamic: no recompilation
+
+
+def test_each_model_compiles_its_own_step():
+    """Graphs are kept per patched model: more differently shaped models than dynamo's recompile limit in one
+    process all run compiled (with one shared step, the graph past the limit would fail or fall back to eager).
+    The limit (8 by default) is lowered to 2 here to keep the test short."""
+    models = [hf_accel.patch_model(tiny_model("llama", num_hidden_layers=n), compile=TRACE) for n in (1, 2, 3)]
+    ids, mask = random_batch(2, [3, 5], seed=9)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for model in models:  # fullgraph: a model over the limit would raise instead of falling back
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, paged=True, **NO_EOS)
+            assert model.forward.steps == 2 and _step_graphs(model) == 1
 
 
 def test_real_model_greedy_identical_compiled(default_model):

@@ -70,7 +70,7 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
         recorder.note(FEATURE, f"linears not packed: {why}")
         logger.info("hf_accel: compile: linear weights not packed (%s)", why)
         return
-    embedding = model.get_input_embeddings().weight
+    embedding = getattr(model.get_input_embeddings(), "weight", None)  # an Int8Embedding has none
     aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
     for name, linear in targets:
         packed = PackedLinear.from_module(linear)
@@ -160,7 +160,7 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
         _prepack(model, parts, recorder)
     compile_mlps = config.mlp
     if compile_mlps is None:
-        compile_mlps = model.get_input_embeddings().weight.device.type != "cpu"
+        compile_mlps = next(model.parameters()).device.type != "cpu"
         if not compile_mlps:
             recorder.note(FEATURE, "MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)")
     if compile_mlps:

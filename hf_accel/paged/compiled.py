@@ -169,7 +169,13 @@ class CompiledPagedDecode:
     def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
         self.model = model
         self.original = types.MethodType(type(model).forward, model)
-        self.compiled = torch.compile(self._step, **compile_kwargs)
+        # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
+        # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
+        # with fullgraph). Each instance therefore compiles its own copy of the code.
+        fn = CompiledPagedDecode._step
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self.step_code = own.__code__  # the code object whose graphs belong to this model (tests count them)
+        self.compiled = torch.compile(types.MethodType(own, self), **compile_kwargs)
         self.steps = 0  # compiled steps run (for tests and reports)
         functools.update_wrapper(self, self.original)  # generate inspects forward's signature
 

@@ -20,7 +20,8 @@ from ..recorder import Recorder
 from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize, quantize
-from .linear import Int8Embedding, Int8Linear
+from .kernel import w8a8_kernel, w8a8_status
+from .linear import Int8Embedding, Int8Linear, check_w8a8
 
 __all__ = ["apply_int8", "resolve_backend"]
 
@@ -42,11 +43,12 @@ def resolve_backend(config: Int8Config, device: torch.device) -> str:
     ``"auto"`` picks ``"native"`` on CPU (its AVX2 kernel decodes ~3x faster than fp32 here, bitsandbytes
     ~1x) and whenever a ``group_size`` is set (bitsandbytes has row scales only); on CUDA it picks
     ``"bitsandbytes"`` when installed (real int8 GEMMs; the native backend has no CUDA kernel and
-    de-quantizes per call there), else ``"native"``.
+    de-quantizes per call there), else ``"native"``. W8A8 (``activations="int8"``) is native only.
     """
     if config.backend != "auto":
         return config.backend
-    if device.type == "cuda" and config.group_size is None and importlib.util.find_spec("bitsandbytes") is not None:
+    row_scales = config.group_size is None and config.activations == "float"
+    if device.type == "cuda" and row_scales and importlib.util.find_spec("bitsandbytes") is not None:
         return "bitsandbytes"
     return "native"
 
@@ -59,6 +61,26 @@ def _check(model: nn.Module, config: Int8Config, backend: str) -> None:
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise IncompatibleOptionsError(f"int8 quantization needs float32/float16/bfloat16 weights, got {dtype}")
+
+
+def _check_w8a8(targets: list[tuple[str, nn.Linear]], device: torch.device, recorder: Recorder) -> None:
+    """Every target must take W8A8; say (and log) when the maths runs emulated rather than on VNNI."""
+    for name, linear in targets:
+        try:
+            check_w8a8(linear.in_features, None)
+        except ValueError as err:
+            raise IncompatibleOptionsError(
+                f"{name}: {err}; leave it in float with Int8Config(skip_modules=[{name!r}]) or use "
+                "activations='float' (weight-only)"
+            ) from None
+    if device.type != "cpu" or w8a8_kernel() is None:
+        why = f"weights on {device.type}" if device.type != "cpu" else w8a8_status()
+        recorder.note(FEATURE, "W8A8 emulated in float (no VNNI kernel)")
+        logger.warning(
+            "hf_accel: W8A8 runs emulated in float (%s): same results as the VNNI kernel within float rounding, "
+            "slower than weight-only int8 (activations='float')",
+            why,
+        )
 
 
 def _swap(
@@ -107,7 +129,11 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
     head_name = parts.spec.lm_head
     tied = get_attr_path(model, head_name).weight is embed.weight
-    for name, linear in _targets(model, parts, config):
+    targets = _targets(model, parts, config)
+    if config.activations == "int8":
+        _check_w8a8(targets, embed.weight.device, recorder)
+        recorder.note(FEATURE, "W8A8: activations quantized per token and 64 features")
+    for name, linear in targets:
         check_resident(name, linear, "int8", _OFFLOAD_ADVICE)
         if is_sharded(linear.weight):
             _quantize_shard(recorder, model, name, linear, config, backend)
@@ -119,7 +145,7 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             new = to_bnb_linear(linear, config.threshold)
             _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: bnb_dequantize(m, dt))
             continue
-        new = Int8Linear.from_module(linear, config.group_size).to(linear.weight.device)
+        new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
         if name == head_name and tied:
             _tie_embedding(model, parts, embed, new, recorder)
         _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: dequantize(m.quantized, dt))
@@ -157,7 +183,11 @@ def _quantize_shard(
             f"({w_local.shape[1]} input features per rank)"
         )
     local_bias = local_tensor(bias) if style == "colwise" and bias is not None else None  # rowwise: added once
-    inner = Int8Linear(quantize(w_local, config.group_size, absmax=absmax), local_bias).to(w_local.device)
+    try:
+        inner = Int8Linear(quantize(w_local, config.group_size, absmax=absmax), local_bias, config.activations)
+    except ValueError as err:  # W8A8 on a shard narrower than its groups
+        raise IncompatibleOptionsError(f"{name} (tensor-parallel shard): {err}; use activations='float'") from None
+    inner = inner.to(w_local.device)
     new: nn.Module = inner
     if style == "rowwise":
         new = TPRowwise(inner, None if bias is None else local_tensor(bias).detach(), tp_group(weight))

@@ -69,6 +69,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
         "format": FORMAT,
         "backend": "native",
         "group_size": cfg.group_size,
+        "activations": cfg.activations,
         "skip_modules": list(cfg.skip_modules),
         "model_type": model.config.model_type,
         "quantized": sorted(n for n, m in model.named_modules() if isinstance(m, Int8Linear)),
@@ -153,7 +154,11 @@ def load_quantized(
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, record.get("dtype", "float32")))
     else:
         _check_same_architecture(model, config)
-    int8 = Int8Config(group_size=record["group_size"], skip_modules=tuple(record["skip_modules"]))
+    int8 = Int8Config(
+        group_size=record["group_size"],
+        skip_modules=tuple(record["skip_modules"]),
+        activations=record.get("activations", "float"),
+    )
     patch_model(model, int8=int8, **{"fused_mlp": False, **features})
     try:
         _load_tensors(model, load_file(str(folder / WEIGHTS)))

@@ -3,6 +3,10 @@
 A weight ``W: [N, K]`` is stored as ``q: [N, K] int8`` and ``scale: [N, G] float32`` with ``G = K / group``
 (``G = 1``: one scale per output row). ``W ≈ q * scale`` broadcast over each group of ``group`` columns;
 ``scale = max|W_group| / 127`` so ``q ∈ [-127, 127]`` and dequantization is exact arithmetic on (q, scale).
+
+W8A8 (``Int8Config(activations="int8")``) also quantizes the activations, per row and per group of
+:data:`ACT_GROUP` features with the same rule, and the linear becomes integer dot products per group
+(:func:`w8a8_reference` is the exact definition the native kernel reproduces).
 """
 
 from __future__ import annotations
@@ -11,7 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantError", "QuantizedWeight", "dequantize", "dequantize_rows", "quantization_error", "quantize"]
+__all__ = [
+    "ACT_GROUP",
+    "QuantError",
+    "QuantizedWeight",
+    "dequantize",
+    "dequantize_rows",
+    "quantization_error",
+    "quantize",
+    "quantize_activations",
+    "w8a8_reference",
+]
+
+#: Activation features sharing one scale in W8A8 (one 64-byte vector of int8).
+ACT_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,50 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` as a dense ``[N, K]`` tensor of ``dtype``."""
     return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row and per group of :data:`ACT_GROUP` features.
+
+    Args:
+        x: ``[M, K]`` float32 with ``K % ACT_GROUP == 0``.
+
+    Returns:
+        ``xq [M, K]`` int8 in ``[-127, 127]`` and ``scale [M, K / ACT_GROUP]`` float32 (``max|x_group| / 127``;
+        0 for an all-zero group, whose values are 0), so ``x ≈ xq * scale`` per group.
+
+    Raises:
+        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT_GROUP`.
+    """
+    if x.dim() != 2 or x.shape[1] % ACT_GROUP:
+        raise ValueError(f"quantize_activations expects [M, K] with K a multiple of {ACT_GROUP}, got {tuple(x.shape)}")
+    m, k = x.shape
+    groups = x.float().reshape(m, k // ACT_GROUP, ACT_GROUP)  # [M, G, 64]
+    scale = groups.abs().amax(dim=-1) / 127.0  # [M, G]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    xq = torch.where(scale.unsqueeze(-1) > 0, torch.round(groups / safe), 0.0).clamp_(-127, 127)
+    return xq.to(torch.int8).reshape(m, k), scale
+
+
+def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The W8A8 linear, exactly: ``sum_g xscale[m, g] * (xq[m, g] . q[n, g]) * wscale[n]`` in float64.
+
+    Args:
+        x: ``[M, K]`` float activations.
+        qw: a weight with one scale per row (``group_size == K``).
+
+    Returns:
+        ``[M, N]`` float64 (the integer dots are exact; the kernel's float32 sums approach this).
+    """
+    if qw.scale.shape[1] != 1:
+        raise ValueError(f"W8A8 needs one weight scale per row, got group_size {qw.group_size}")
+    xq, xscale = quantize_activations(x)
+    m, k = xq.shape
+    n = qw.qweight.shape[0]
+    xg = xq.double().reshape(m, 1, k // ACT_GROUP, ACT_GROUP)  # [M, 1, G, 64]
+    wg = qw.qweight.double().reshape(1, n, k // ACT_GROUP, ACT_GROUP)  # [1, N, G, 64]
+    dots = (xg * wg).sum(-1)  # [M, N, G] exact integers
+    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, n)
 
 
 @dataclass(frozen=True)

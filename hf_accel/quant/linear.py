@@ -2,18 +2,61 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .core import QuantizedWeight, dequantize, dequantize_rows, quantize
-from .kernel import native_kernel
+from .core import ACT_GROUP, QuantizedWeight, dequantize, dequantize_rows, quantize, quantize_activations
+from .kernel import native_kernel, w8a8_kernel
 
-__all__ = ["DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear"]
+__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "define_int8_op"]
+
+#: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8).
+ACTIVATIONS = ("float", "int8")
 
 #: Up to this many activation rows the native GEMV-style kernel runs; above it (prefill) the weight is
 #: de-quantized once per call and MKL's GEMM does the work (compute-bound there, so int8 does not help).
 DECODE_MAX_ROWS = 16
+
+
+_OP_LOCK = threading.Lock()
+_OP_LIBRARY: torch.library.Library | None = None  # defined when the first Int8Linear is built, never at import
+
+
+def _run_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool) -> torch.Tensor:
+    """The native kernel: ``x [M, K]`` fp32 -> ``[M, N]`` (weight-only, or W8A8)."""
+    if w8a8:
+        return w8a8_kernel().w8a8_linear(x, qweight, scale)  # type: ignore[union-attr]
+    group_size = qweight.shape[1] // scale.shape[1]
+    return native_kernel(group_size).int8_linear(x, qweight, scale)  # type: ignore[union-attr]
+
+
+def define_int8_op():
+    """Define ``torch.ops.hf_accel.int8_linear`` once per process: the kernels as an op ``torch.compile`` keeps
+    opaque (a compiled decode step then runs them inside its graph instead of breaking it)."""
+    global _OP_LIBRARY
+    with _OP_LOCK:
+        if _OP_LIBRARY is None:
+            lib = torch.library.Library("hf_accel", "FRAGMENT")
+            lib.define("int8_linear(Tensor x, Tensor qweight, Tensor scale, bool w8a8) -> Tensor")
+            lib.impl("int8_linear", _run_kernel, "CPU")
+
+            def fake(x, qweight, scale, w8a8):  # shapes only, for tracing
+                return x.new_empty((x.shape[0], qweight.shape[0]))
+
+            torch.library.register_fake("hf_accel::int8_linear", fake, lib=lib)
+            _OP_LIBRARY = lib
+    return torch.ops.hf_accel.int8_linear
+
+
+def check_w8a8(in_features: int, group_size: int | None) -> None:
+    """Raise ``ValueError`` unless a layer can run W8A8: row weight scales and ``in_features % 64 == 0``."""
+    if group_size is not None and group_size != in_features:
+        raise ValueError(f"activations='int8' needs one weight scale per row (group_size=None), got {group_size}")
+    if in_features % ACT_GROUP:
+        raise ValueError(f"activations='int8' needs in_features divisible by {ACT_GROUP}, got {in_features}")
 
 
 class Int8Linear(nn.Module):
@@ -22,55 +65,94 @@ class Int8Linear(nn.Module):
     Args:
         qw: the quantized weight (``[N, K]`` int8 + ``[N, G]`` scales).
         bias: ``[N]`` float bias or ``None``.
+        activations: ``"float"``: weight-only (activations stay float); ``"int8"``: W8A8, activations quantized per
+            row and per 64 features on every call (see :func:`~hf_accel.quant.core.w8a8_reference`), integer
+            dot products on AVX-512 VNNI CPUs, the same maths emulated in float elsewhere.
 
     Shapes:
         input ``[..., K]`` (any float dtype) -> output ``[..., N]`` of the input dtype.
     """
 
-    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, activations: str = "float") -> None:
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
         self.out_features, self.in_features = qw.shape
+        if activations == "int8":
+            check_w8a8(self.in_features, qw.group_size)
         self.group_size = qw.group_size
+        self.activations = activations
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scale", qw.scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self._kernel = native_kernel(qw.group_size)
+        # the CPU kernel this layer can use (fixed per process; a string, so the module deep-copies and
+        # torch.compile guards on a constant): "w8a8", "native" or "" (none: float maths)
+        if activations == "int8":
+            self._cpu_kernel = "w8a8" if w8a8_kernel() is not None else ""
+        else:
+            self._cpu_kernel = "native" if native_kernel(qw.group_size) is not None else ""
+        if self._cpu_kernel:
+            define_int8_op()
 
     @classmethod
-    def from_module(cls, linear: nn.Module, group_size: int | None = None) -> Int8Linear:
+    def from_module(cls, linear: nn.Module, group_size: int | None = None, activations: str = "float") -> Int8Linear:
         """Quantize an ``nn.Linear`` (the original is not modified).
 
         Raises:
             TypeError: ``linear`` is not an ``nn.Linear`` or its weight is not floating point.
-            ValueError: ``group_size`` does not divide ``in_features``.
+            ValueError: ``group_size`` does not divide ``in_features``; W8A8 asked of a layer it cannot take.
         """
         if type(linear) is not nn.Linear:
             raise TypeError(f"Int8Linear.from_module needs an nn.Linear, got {type(linear).__name__}")
-        return cls(quantize(linear.weight, group_size), linear.bias)
+        if activations == "int8":
+            check_w8a8(linear.in_features, group_size)
+        return cls(quantize(linear.weight, group_size), linear.bias, activations)
 
     @property
     def quantized(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scale, self.group_size)
 
     def kernel_path(self, x: torch.Tensor) -> str:
-        """``"native"`` or ``"dequantize"``: which path a call with ``x`` takes."""
+        """Which path a call with ``x`` takes.
+
+        Returns:
+            ``"w8a8"`` (VNNI kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
+            ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows) or ``"dequantize"``.
+        """
+        cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
+        if self.activations == "int8":
+            return "w8a8" if cpu_fp32 and self._cpu_kernel else "w8a8-emulated"
         rows = x.numel() // max(1, x.shape[-1])
-        native = self._kernel is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        native = cpu_fp32 and self._cpu_kernel
         return "native" if native and rows <= DECODE_MAX_ROWS else "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_path(x) == "native":
-            flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
-            y = self._kernel.int8_linear(flat, self.qweight, self.scale)  # [M, N]
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.out_features)
-        return F.linear(x, dequantize(self.quantized, x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        path = self.kernel_path(x)
+        if path == "dequantize":
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, dequantize(self.quantized, x.dtype), bias)
+        flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
+        if path == "w8a8-emulated":
+            y = self._w8a8_emulated(flat)
+        elif torch.compiler.is_compiling():  # an opaque op inside a compiled graph
+            y = torch.ops.hf_accel.int8_linear(flat, self.qweight, self.scale, path == "w8a8")
+        else:
+            y = _run_kernel(flat, self.qweight, self.scale, path == "w8a8")  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _w8a8_emulated(self, flat: torch.Tensor) -> torch.Tensor:
+        """The W8A8 maths in float: de-quantized activations times de-quantized weights. ``[M, K] -> [M, N]``."""
+        xq, xscale = quantize_activations(flat.float())  # [M, K] int8, [M, K / 64]
+        m = xq.shape[0]
+        x = (xq.reshape(m, -1, ACT_GROUP).float() * xscale.unsqueeze(-1)).reshape(m, self.in_features)
+        return F.linear(x, dequantize(self.quantized, torch.float32)).to(flat.dtype)
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, bias={self.bias is not None}, native={self._kernel is not None}"
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"bias={self.bias is not None}, activations={self.activations}"
         )
 
 
