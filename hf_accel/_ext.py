@@ -12,6 +12,8 @@ import hashlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -19,13 +21,15 @@ import torch
 
 from .models import cache_dir
 
-__all__ = ["extension_status", "load_extension"]
+__all__ = ["define_op", "extension_status", "load_extension"]
 
 logger = logging.getLogger(__name__)
 
 _INCLUDE = Path(__file__).with_name("csrc")  # headers shared by the kernels
 _modules: dict[str, ModuleType | None] = {}
 _status: dict[str, str] = {}
+_ops: dict[str, torch.library.Library] = {}  # ops defined so far (lazily: never at import)
+_ops_lock = threading.Lock()
 
 
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
@@ -134,3 +138,28 @@ def extension_status(name: str, source: Path, isa: str = "avx2") -> str:
     """Why :func:`load_extension` returned what it did."""
     load_extension(name, source, isa)
     return _status[name]
+
+
+def define_op(
+    name: str, schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor],
+    dispatch: str = "CompositeExplicitAutograd",
+) -> Callable[..., torch.Tensor]:  # fmt: skip
+    """Define ``torch.ops.hf_accel.<name>`` once per process: a kernel ``torch.compile`` keeps opaque.
+
+    Args:
+        name: the op's name; ``schema``: its arguments and result, e.g. ``"(Tensor x) -> Tensor"``.
+        impl: the eager implementation, registered for ``dispatch``.
+        fake: shapes-only implementation used while tracing.
+
+    Returns:
+        The op. Side effects: registers it (thread-safe; later calls return the same op). Called when a feature
+        is applied or a module built, never at import.
+    """
+    with _ops_lock:
+        if name not in _ops:
+            lib = torch.library.Library("hf_accel", "FRAGMENT")
+            lib.define(name + schema)
+            lib.impl(name, impl, dispatch)
+            torch.library.register_fake(f"hf_accel::{name}", fake, lib=lib)
+            _ops[name] = lib
+    return getattr(torch.ops.hf_accel, name)

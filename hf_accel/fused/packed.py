@@ -18,14 +18,13 @@ differ from ``F.linear`` only by summation order. Inside ``torch.compile`` the c
 from __future__ import annotations
 
 import copy
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from .._ext import extension_status, load_extension
+from .._ext import define_op, extension_status, load_extension
 
 __all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "panel_kernel", "unpack_linears"]
 
@@ -52,10 +51,6 @@ def _panel_unavailable(weight: torch.Tensor) -> str | None:
     return None
 
 
-_OP_LOCK = threading.Lock()
-_OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registration at import time
-
-
 def packing_unavailable(weight: torch.Tensor) -> str | None:
     """Why ``weight`` cannot be packed (``None`` when it can): CPU, fp32/bf16, a oneDNN-enabled build."""
     if weight.device.type != "cpu":
@@ -74,24 +69,17 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return y.view(*x.shape[:-1], out_features)
 
 
+def _packed_linear_fake(x, packed, bias, out_features):  # shapes only, for tracing
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def define_compiled_op():
     """Define ``torch.ops.hf_accel.packed_linear`` once per process (Inductor treats it as an opaque kernel).
 
     Called by the compile feature before anything is compiled (never at import).
     """
-    global _OP_LIBRARY
-    with _OP_LOCK:
-        if _OP_LIBRARY is None:
-            lib = torch.library.Library("hf_accel", "FRAGMENT")
-            lib.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
-            lib.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-
-            def fake(x, packed, bias, out_features):  # shapes only, for tracing
-                return x.new_empty((*x.shape[:-1], out_features))
-
-            torch.library.register_fake("hf_accel::packed_linear", fake, lib=lib)
-            _OP_LIBRARY = lib
-    return torch.ops.hf_accel.packed_linear
+    schema = "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor"
+    return define_op("packed_linear", schema, _packed_linear, _packed_linear_fake)
 
 
 class PackedLinear(nn.Module):

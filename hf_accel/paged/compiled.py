@@ -22,7 +22,6 @@ cover run the original, eager forward.
 from __future__ import annotations
 
 import functools
-import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -30,13 +29,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .._ext import define_op
 from .attention import DECODE_MAX_QUERY, PLAN_KWARG, dense_attention, kernel_usable, native_kernel
 from .cache import PagedCache, token_slots, uses_paged_attention
 
 __all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
-
-_OP_LOCK = threading.Lock()
-_OP_LIBRARY: torch.library.Library | None = None  # defined lazily: no registration at import time
 
 
 class DecodePlan(NamedTuple):
@@ -124,26 +121,18 @@ def _paged_decode(
     return table_attention(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
 
 
+def _paged_decode_fake(query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, kernel):
+    b, h, q, d = query.shape  # shapes only, for tracing
+    return query.new_empty((b, q, h, d))
+
+
 def define_paged_op() -> Callable[..., torch.Tensor]:
     """Define ``torch.ops.hf_accel.paged_decode`` once per process (called at patch time, never at import)."""
-    global _OP_LIBRARY
-    with _OP_LOCK:
-        if _OP_LIBRARY is None:
-            lib = torch.library.Library("hf_accel", "FRAGMENT")
-            lib.define(
-                "paged_decode(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
-                "Tensor slots, Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, "
-                "bool kernel) -> Tensor"
-            )
-            lib.impl("paged_decode", _paged_decode, "CompositeExplicitAutograd")
-
-            def fake(query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, kernel):
-                b, h, q, d = query.shape
-                return query.new_empty((b, q, h, d))
-
-            torch.library.register_fake("hf_accel::paged_decode", fake, lib=lib)
-            _OP_LIBRARY = lib
-    return torch.ops.hf_accel.paged_decode
+    schema = (
+        "(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
+        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, bool kernel) -> Tensor"
+    )
+    return define_op("paged_decode", schema, _paged_decode, _paged_decode_fake)
 
 
 #: ``forward`` keyword arguments the compiled step understands; any other (labels, output_attentions,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._ext import define_op
 from .core import ACT_GROUP, QuantizedWeight, dequantize, dequantize_rows, quantize, quantize_activations
 from .kernel import native_kernel, w8a8_kernel
 
@@ -21,10 +20,6 @@ ACTIVATIONS = ("float", "int8")
 DECODE_MAX_ROWS = 16
 
 
-_OP_LOCK = threading.Lock()
-_OP_LIBRARY: torch.library.Library | None = None  # defined when the first Int8Linear is built, never at import
-
-
 def _run_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool) -> torch.Tensor:
     """The native kernel: ``x [M, K]`` fp32 -> ``[M, N]`` (weight-only, or W8A8)."""
     if w8a8:
@@ -33,22 +28,16 @@ def _run_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a
     return native_kernel(group_size).int8_linear(x, qweight, scale)  # type: ignore[union-attr]
 
 
+def _int8_linear_fake(x, qweight, scale, w8a8):  # shapes only, for tracing
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
 def define_int8_op():
     """Define ``torch.ops.hf_accel.int8_linear`` once per process: the kernels as an op ``torch.compile`` keeps
-    opaque (a compiled decode step then runs them inside its graph instead of breaking it)."""
-    global _OP_LIBRARY
-    with _OP_LOCK:
-        if _OP_LIBRARY is None:
-            lib = torch.library.Library("hf_accel", "FRAGMENT")
-            lib.define("int8_linear(Tensor x, Tensor qweight, Tensor scale, bool w8a8) -> Tensor")
-            lib.impl("int8_linear", _run_kernel, "CPU")
-
-            def fake(x, qweight, scale, w8a8):  # shapes only, for tracing
-                return x.new_empty((x.shape[0], qweight.shape[0]))
-
-            torch.library.register_fake("hf_accel::int8_linear", fake, lib=lib)
-            _OP_LIBRARY = lib
-    return torch.ops.hf_accel.int8_linear
+    opaque (a compiled decode step then runs them inside its graph instead of breaking it). Called when the first
+    ``Int8Linear`` with a kernel is built, never at import."""
+    schema = "(Tensor x, Tensor qweight, Tensor scale, bool w8a8) -> Tensor"
+    return define_op("int8_linear", schema, _run_kernel, _int8_linear_fake, dispatch="CPU")
 
 
 def check_w8a8(in_features: int, group_size: int | None) -> None:
