@@ -87,6 +87,7 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}),
         Technique("compile", {**_PLAIN, "fused_mlp": True, "compile": True}),
         Technique("int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False),
+        Technique("w8a8", {**_PLAIN, "int8": Int8Config(activations="int8", keep_original=True)}, lossless=False),
         Technique(
             "bnb",
             {**_PLAIN, "int8": Int8Config(backend="bitsandbytes", keep_original=True)},

@@ -29,7 +29,7 @@ def tiny_folder(tmp_path_factory):
 
 def test_bench_writes_table_json_markdown_and_plot(tiny_folder, tmp_path, capsys):
     argv = [
-        "bench", "--model", str(tiny_folder), "--techniques", "fused,paged,int8,prompt-lookup,self-spec",
+        "bench", "--model", str(tiny_folder), "--techniques", "fused,paged,int8,w8a8,prompt-lookup,self-spec",
         "--batch", "1,2", "--max-new-tokens", "4", "--repeats", "1", "--no-progress",
         "--json", str(tmp_path / "r.json"), "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.png"),
     ]  # fmt: skip
@@ -37,13 +37,14 @@ def test_bench_writes_table_json_markdown_and_plot(tiny_folder, tmp_path, capsys
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [(r["technique"], r["batch"]) for r in rows] == [
-        (t, b) for t in ("baseline", "fused", "paged", "int8", "prompt-lookup", "self-spec") for b in (1, 2)
+        (t, b) for t in ("baseline", "fused", "paged", "int8", "w8a8", "prompt-lookup", "self-spec") for b in (1, 2)
     ]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0
         if r["technique"] in ("fused", "paged", "prompt-lookup", "self-spec"):
             assert r["identical"] == "yes", r  # lossless techniques reproduce the baseline's greedy tokens
     assert rows[6]["ppl_delta_pct"] is not None  # int8 is lossy: its perplexity change is reported
+    assert rows[8]["technique"] == "w8a8" and rows[8]["ppl_delta_pct"] is not None
     assert (tmp_path / "r.md").read_text() in out
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

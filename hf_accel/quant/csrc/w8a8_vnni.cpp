@@ -3,11 +3,11 @@
 // Activations are quantized per row and per group of 64 input features (symmetric, scale = max|x| / 127,
 // round half to even; the same arithmetic as hf_accel.quant.core.quantize_activations, so the int8 values are
 // bitwise equal). Each 64-feature step is one `vpdpbusd` per (activation row, weight row): weights are made
-// unsigned by flipping their sign bit (q + 128) and the integer accumulator starts at -128 * sum(xq) of the
-// group, so the int32 result is the exact signed dot product. That exact integer is converted to float and
-// scaled by the activation group's scale; the weight row's scale is applied once at the end.
-// Tiles of 4 weight rows share each activation load; activation rows go 4, 2, 1 at a time; tiles are split
-// over threads.
+// unsigned by flipping their sign bit (q + 128), so the int32 result is the exact dot with q + 128. It is
+// converted to float and scaled by the activation group's scale; at the end the +128's share, the per-row
+// offset sum_g xscale * 128 * sum(xq), is subtracted and the weight row's scale applied.
+// Tiles of 4 weight rows share each activation load; activation rows go 4, 2, 1 at a time; four sums are reduced
+// together; tiles are split over threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,8 +18,10 @@ constexpr int64_t kGroup = 64;        // activation features per scale (one zmm 
 constexpr int64_t kRows = 4;          // weight rows per tile
 constexpr int64_t kPrefetch = 1024;   // bytes ahead in each weight row
 
-// One row of x [K] -> xq [K] int8, scale [K / 64], base [K / 64] = -128 * sum(xq) per group.
-void quantize_row(const float* x, int8_t* xq, float* scale, int32_t* base, int64_t K) {
+// One row of x [K] -> xq [K] int8, scale [K / 64], base [K / 64] = -128 * sum(xq) per group, and
+// offset = -sum_g scale * base (what the unsigned weights' +128 adds to the row's scaled dots; double sum).
+void quantize_row(const float* x, int8_t* xq, float* scale, int32_t* base, float* offset, int64_t K) {
+  double total_offset = 0.0;
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* xg = x + g * kGroup;
@@ -39,12 +41,25 @@ void quantize_row(const float* x, int8_t* xq, float* scale, int32_t* base, int64
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + g * kGroup + k), _mm512_cvtepi32_epi8(v));
     }
     base[g] = -128 * total;
+    total_offset += static_cast<double>(s) * 128.0 * total;
   }
+  *offset = static_cast<float>(total_offset);
 }
 
-// MR activation rows x NR weight rows: y[i * ldy + r] = wscale[r] * sum_g xscale[i, g] * dot(xq[i, g], q[r, g]).
+// Sums of four vectors, one per lane of the result: [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  auto half = [](__m512 v) {  // 16 -> 8 lanes
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// MR activation rows x NR weight rows:
+// y[i * ldy + r] = wscale[r] * (sum_g xscale[i, g] * dot(xq[i, g], q[r, g] + 128) - offset[i]),
+// where offset[i] = sum_g xscale[i, g] * 128 * sum(xq[i, g]) removes the +128 of the unsigned weights.
 template <int MR, int NR>
-void tile(const int8_t* xq, const float* xscale, const int32_t* base, const int8_t* q, const float* wscale,
+void tile(const int8_t* xq, const float* xscale, const float* offset, const int8_t* q, const float* wscale,
           float* y, int64_t K, int64_t ldy) {
   const int64_t G = K / kGroup;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -52,35 +67,40 @@ void tile(const int8_t* xq, const float* xscale, const int32_t* base, const int8
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i xv[MR], start[MR];
+    __m512i xv[MR];
     __m512 s[MR];
     for (int i = 0; i < MR; ++i) {
       xv[i] = _mm512_loadu_si512(xq + i * K + g * kGroup);
       s[i] = _mm512_set1_ps(xscale[i * G + g]);
-      start[i] = _mm512_zextsi128_si512(_mm_cvtsi32_si128(base[i * G + g]));  // lane 0 only
     }
     for (int r = 0; r < NR; ++r) {
       const int8_t* row = q + r * K + g * kGroup;
       _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetch), _MM_HINT_T0);
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(row), flip);  // q + 128 as unsigned bytes
       for (int i = 0; i < MR; ++i) {
-        const __m512i dot = _mm512_dpbusd_epi32(start[i], w, xv[i]);  // exact int32 partial dots
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[i]);  // exact int32 partial dots
         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s[i], acc[i][r]);
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) y[i * ldy + r] = wscale[r] * _mm512_reduce_add_ps(acc[i][r]);
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR == 4) {
+      const __m128 sums = _mm_sub_ps(sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), _mm_set1_ps(offset[i]));
+      _mm_storeu_ps(y + i * ldy, _mm_mul_ps(sums, _mm_loadu_ps(wscale)));
+    } else {
+      for (int r = 0; r < NR; ++r) y[i * ldy + r] = wscale[r] * (_mm512_reduce_add_ps(acc[i][r]) - offset[i]);
+    }
+  }
 }
 
 template <int NR>
-void rows_of_tile(const int8_t* xq, const float* xs, const int32_t* base, const int8_t* q, const float* ws,
+void rows_of_tile(const int8_t* xq, const float* xs, const float* offset, const int8_t* q, const float* ws,
                   float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4, NR>(xq + m * K, xs + m * G, base + m * G, q, ws, y + m * N, K, N);
-  for (; m + 2 <= M; m += 2) tile<2, NR>(xq + m * K, xs + m * G, base + m * G, q, ws, y + m * N, K, N);
-  for (; m < M; ++m) tile<1, NR>(xq + m * K, xs + m * G, base + m * G, q, ws, y + m * N, K, N);
+  for (; m + 4 <= M; m += 4) tile<4, NR>(xq + m * K, xs + m * G, offset + m, q, ws, y + m * N, K, N);
+  for (; m + 2 <= M; m += 2) tile<2, NR>(xq + m * K, xs + m * G, offset + m, q, ws, y + m * N, K, N);
+  for (; m < M; ++m) tile<1, NR>(xq + m * K, xs + m * G, offset + m, q, ws, y + m * N, K, N);
 }
 
 void check_x(const torch::Tensor& x) {
@@ -89,21 +109,23 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kGroup == 0, "w8a8: in_features must be a multiple of ", kGroup, ", got ", x.size(1));
 }
 
-// x [M, K] float32 -> (xq [M, K] int8, scale [M, K / 64] float32, base [M, K / 64] int32).
+// x [M, K] float32 -> (xq [M, K] int8, scale [M, K / 64] float32, base [M, K / 64] int32, offset [M] float32).
 std::vector<torch::Tensor> quantize(const torch::Tensor& x) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto scale = torch::empty({M, G}, x.options());
   auto base = torch::empty({M, G}, x.options().dtype(torch::kInt));
+  auto offset = torch::empty({M}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   int32_t* bp = base.data_ptr<int32_t>();
+  float* op = offset.data_ptr<float>();
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, qp + m * K, sp + m * G, bp + m * G, K);
+    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, qp + m * K, sp + m * G, bp + m * G, op + m, K);
   });
-  return {xq, scale, base};
+  return {xq, scale, base, offset};
 }
 
 // x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, 1] float32 (one scale per weight row).
@@ -117,7 +139,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   auto parts = quantize(x);
   const int8_t* xq = parts[0].data_ptr<int8_t>();
   const float* xs = parts[1].data_ptr<float>();
-  const int32_t* base = parts[2].data_ptr<int32_t>();
+  const float* off = parts[3].data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
@@ -127,9 +149,9 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRows;
       if (n0 + kRows <= N) {
-        rows_of_tile<kRows>(xq, xs, base, qp + n0 * K, sp + n0, yp + n0, M, K, N);
+        rows_of_tile<kRows>(xq, xs, off, qp + n0 * K, sp + n0, yp + n0, M, K, N);
       } else {
-        for (int64_t n = n0; n < N; ++n) rows_of_tile<1>(xq, xs, base, qp + n * K, sp + n, yp + n, M, K, N);
+        for (int64_t n = n0; n < N; ++n) rows_of_tile<1>(xq, xs, off, qp + n * K, sp + n, yp + n, M, K, N);
       }
     }
   });
@@ -139,6 +161,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_activations", &quantize, "x -> (int8 values, scales, -128 * group sums) per 64 features");
+  m.def("quantize_activations", &quantize,
+        "x -> (int8 values, scales, -128 * group sums per 64 features, per-row offset of the unsigned weights)");
   m.def("w8a8_linear", &w8a8_linear, "W8A8 linear (AVX-512 VNNI)");
 }
