@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Weight-only int8: quantize once, save, reload in seconds, and compare with the float model.
+"""Int8 weights: quantize once, save, reload in seconds, and compare with the float model.
 
     python examples/int8_quantize.py --output ./smollm2-int8
     python examples/int8_quantize.py --group-size 64 --skip "*.o_proj"
+    python examples/int8_quantize.py --activations int8   # W8A8: int8 activations too (AVX-512 VNNI kernel)
 
 Prints the perplexity of both models on a text, the weight bytes of the linear layers, decode speed, and
 the answers. ``--model`` takes a local Transformers folder; the default model is SmolLM2-135M-Instruct from
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", help="folder for the int8 checkpoint (default: a temporary folder)")
     parser.add_argument("--group-size", type=int, default=None, help="quantization group size (default per row)")
     parser.add_argument("--skip", action="append", default=[], help="glob of module names left in float")
+    parser.add_argument(
+        "--activations", choices=("float", "int8"), default="float", help="int8: W8A8 (default: weight-only)"
+    )
     parser.add_argument("--prompt", default="Explain how a refrigerator works.", help="user message")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate")
     return parser.parse_args(argv)
@@ -61,7 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = hf_accel.load_model(args.model)
     ppl_float = perplexity(model, tokenizer)
     text_float, rate_float = answer(model, tokenizer, args.prompt, args.max_new_tokens)
-    hf_accel.patch_model(model, int8=hf_accel.Int8Config(group_size=args.group_size, skip_modules=tuple(args.skip)))
+    config = hf_accel.Int8Config(
+        group_size=args.group_size, skip_modules=tuple(args.skip), activations=args.activations
+    )
+    hf_accel.patch_model(model, int8=config)
     output = args.output or tempfile.mkdtemp(prefix="hf_accel_int8_")
     hf_accel.save_quantized(model, output, tokenizer=tokenizer)
     start = time.perf_counter()

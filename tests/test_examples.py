@@ -1,5 +1,6 @@
 """Examples must never rot: run each with tiny settings."""
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -39,10 +40,11 @@ def test_speculative_example(default_model, monkeypatch, capsys):
 
 
 def test_int8_example(default_model, monkeypatch, capsys, tmp_path):
-    _run("int8_quantize.py", ["--max-new-tokens", "4", "--output", str(tmp_path / "q")], monkeypatch)
+    argv = ["--max-new-tokens", "4", "--output", str(tmp_path / "q"), "--activations", "int8"]  # W8A8
+    _run("int8_quantize.py", argv, monkeypatch)
     out = capsys.readouterr().out
     assert f"saved to {tmp_path / 'q'}; reloaded in" in out and "perplexity: float" in out
-    assert (tmp_path / "q" / "hf_accel_int8.json").is_file()
+    assert json.loads((tmp_path / "q" / "hf_accel_int8.json").read_text())["activations"] == "int8"
 
 
 def test_all_features_example(default_model, monkeypatch, capsys):
