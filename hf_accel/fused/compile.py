@@ -27,7 +27,7 @@ from torch import nn
 from ..config import CompileConfig
 from ..dispatch import check_resident, is_sharded, transfer_hook
 from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
-from ..generate import GenerateCall
+from ..generate import GenerateCall, _device_of
 from ..paged.cache import uses_paged_attention
 from ..paged.compiled import CompiledPagedDecode, define_paged_op
 from ..recorder import Recorder
@@ -160,7 +160,7 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
         _prepack(model, parts, recorder)
     compile_mlps = config.mlp
     if compile_mlps is None:
-        compile_mlps = next(model.parameters()).device.type != "cpu"
+        compile_mlps = _device_of(model).type != "cpu"
         if not compile_mlps:
             recorder.note(FEATURE, "MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)")
     if compile_mlps:

@@ -93,8 +93,6 @@ class Int8Linear(nn.Module):
         """
         if type(linear) is not nn.Linear:
             raise TypeError(f"Int8Linear.from_module needs an nn.Linear, got {type(linear).__name__}")
-        if activations == "int8":
-            check_w8a8(linear.in_features, group_size)
         return cls(quantize(linear.weight, group_size), linear.bias, activations)
 
     @property
@@ -134,8 +132,7 @@ class Int8Linear(nn.Module):
     def _w8a8_emulated(self, flat: torch.Tensor) -> torch.Tensor:
         """The W8A8 maths in float: de-quantized activations times de-quantized weights. ``[M, K] -> [M, N]``."""
         xq, xscale = quantize_activations(flat.float())  # [M, K] int8, [M, K / 64]
-        m = xq.shape[0]
-        x = (xq.reshape(m, -1, ACT_GROUP).float() * xscale.unsqueeze(-1)).reshape(m, self.in_features)
+        x = dequantize_rows(xq, xscale, ACT_GROUP, torch.float32)  # [M, K]
         return F.linear(x, dequantize(self.quantized, torch.float32)).to(flat.dtype)
 
     def extra_repr(self) -> str:
