@@ -6,8 +6,12 @@
 Tasks: ``grounded`` (rewrite a given ~400-token passage: the answer copies much of the prompt) and ``chat``
 (free-form questions). Strategies: hf_accel's prompt lookup and int8 self-speculation, and at batch 1
 Transformers' own ``prompt_lookup_num_tokens=10`` and ``assistant_model`` (a copy of the model). Greedy
-throughout: every output is checked token-identical to plain generate. Tokens/s counts generated tokens
-(not padding) over the whole call, prefill included; median of ``--repeats``.
+throughout: every output is checked token-identical to plain generate. "tokens/s" counts generated tokens
+(not padding) over the whole call, prefill included; "decode tok/s" leaves the prefill out: the time of the same
+call with ``max_new_tokens=1`` (its prefill and first token, identical for every method) is subtracted, and so
+is that first token; medians of ``--repeats``. Ratios are against "plain generate" (Transformers' cache); compare a
+``+ paged`` row with "plain generate + paged" (the paged cache without speculation, with ``--compile`` its compiled
+decode step) for the gain of speculation alone.
 
 ``--compile`` patches with ``compile=True`` as well (pre-packed linears, docs/compile.md): "plain generate" is
 then the packed model without speculation, and a first row "plain generate, unpatched" gives the ratio against
@@ -56,14 +60,19 @@ def build_inputs(tok, task: str, batch: int) -> dict[str, torch.Tensor]:
     return tok(texts, return_tensors="pt", padding=True)
 
 
-def run(model, inputs, new: int, **kwargs) -> tuple[float, torch.Tensor, dict | None]:
-    start = time.perf_counter()
+def run(model, inputs, new: int, **kwargs) -> tuple[float, torch.Tensor, dict | None, float]:
+    """One greedy call: (tokens/s over the whole call, sequences, speculative stats, decode tokens/s)."""
     with torch.inference_mode():
+        start = time.perf_counter()
+        model.generate(**inputs, max_new_tokens=1, do_sample=False, **kwargs)
+        first = time.perf_counter() - start  # prefill + the first token
+        start = time.perf_counter()
         out = model.generate(**inputs, max_new_tokens=new, do_sample=False, return_dict_in_generate=True, **kwargs)
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
     tail = out.sequences[:, inputs["input_ids"].shape[1] :]
     produced = int((tail != model.generation_config.pad_token_id).sum())
-    return produced / elapsed, out.sequences, getattr(out, "speculative", None)
+    rows = tail.shape[0]
+    return produced / elapsed, out.sequences, getattr(out, "speculative", None), (produced - rows) / (elapsed - first)
 
 
 def main() -> None:
@@ -81,13 +90,17 @@ def main() -> None:
     hf_accel.patch_model(model, compile=args.compile)
     self_spec = SelfSpeculative("int8")
     combo = Composite(PromptLookup(num_tokens=10), self_spec)
-    print("| task | batch | method | tokens/s | vs plain | identical | acceptance | tokens/forward |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| task | batch | method | tokens/s | vs plain | decode tok/s | decode vs plain | identical | acceptance "
+        "| tokens/forward |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks:
         for batch in args.batch:
             inputs = build_inputs(tok, task, batch)
             methods: dict[str, dict] = {
                 "plain generate": {},
+                "plain generate + paged": {"paged": True},
                 "hf_accel prompt lookup": {"speculative": PromptLookup(num_tokens=10)},
                 "hf_accel prompt lookup + paged": {"speculative": PromptLookup(num_tokens=10), "paged": True},
                 "hf_accel prompt lookup k=16 + paged": {"speculative": PromptLookup(num_tokens=16), "paged": True},
@@ -103,21 +116,34 @@ def main() -> None:
                     del methods[name]
                 run(assistant, inputs, 4)
                 samples = [run(assistant, inputs, args.new_tokens) for _ in range(args.repeats)]
-                results["plain generate, unpatched"] = (statistics.median(x[0] for x in samples), samples[0][1], None)
+                results["plain generate, unpatched"] = (
+                    statistics.median(x[0] for x in samples),
+                    samples[0][1],
+                    None,
+                    statistics.median(x[3] for x in samples),
+                )
             run(model, inputs, 4)  # warm-up
             for name, kwargs in methods.items():
-                run(model, inputs, 4, **kwargs)
+                # a full-length warm-up: with --compile, chunk widths and batch sizes first met mid-call compile
+                # their graphs (seconds each) here rather than in a timed call
+                run(model, inputs, args.new_tokens, **kwargs)
                 samples = [run(model, inputs, args.new_tokens, **kwargs) for _ in range(args.repeats)]
                 rate = statistics.median(s[0] for s in samples)
-                results[name] = (rate, samples[0][1], samples[0][2])
-            base_rate, base_out, _ = results["plain generate"]
-            first_rate = next(iter(results.values()))[0]
-            for name, (rate, out, stats) in results.items():
+                results[name] = (rate, samples[0][1], samples[0][2], statistics.median(s[3] for s in samples))
+            base_rate, base_out, _, base_decode = results["plain generate"]
+            first_rate, first_decode = next(iter(results.values()))[0], next(iter(results.values()))[3]
+            for name, (rate, out, stats, decode) in results.items():
                 same = "yes" if torch.equal(out, base_out) else "NO"
                 acc = f"{stats['acceptance_rate']:.2f}" if stats else "-"
                 tpf = f"{stats['tokens_per_forward']:.2f}" if stats else "-"
                 vs = f"{rate / base_rate:.2f}x" + (f" ({rate / first_rate:.2f}x unpatched)" if args.compile else "")
-                print(f"| {task} | {batch} | {name} | {rate:.1f} | {vs} | {same} | {acc} | {tpf} |")
+                vs_decode = f"{decode / base_decode:.2f}x" + (
+                    f" ({decode / first_decode:.2f}x unpatched)" if args.compile else ""
+                )
+                print(
+                    f"| {task} | {batch} | {name} | {rate:.1f} | {vs} | {decode:.1f} | {vs_decode} | {same} | {acc} "
+                    f"| {tpf} |"
+                )
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ class Int8Config:
         threshold: outlier threshold of the bitsandbytes backend (LLM.int8(): input features with larger
             magnitudes stay in float); 0 turns the decomposition off.
         activations: ``"float"`` (weight-only: activations stay float) or ``"int8"`` (native backend: W8A8,
-            activations quantized per token and per 64 features on every call, integer dot products with
+            activations quantized per token in 16 interleaved feature groups on every call, integer dot products with
             AVX-512 VNNI; faster at batch > 1, slightly lossier, and its greedy output is sensitive to float-level
             differences such as the attention implementation; needs ``group_size=None``).
     """

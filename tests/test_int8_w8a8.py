@@ -13,7 +13,7 @@ import hf_accel
 from hf_accel import IncompatibleOptionsError
 from hf_accel.quant import Int8Linear, dequantize, quantize
 from hf_accel.quant import linear as int8_linear_module
-from hf_accel.quant.core import ACT_GROUP, quantize_activations, w8a8_reference
+from hf_accel.quant.core import ACT_LANES, dequantize_activations, quantize_activations, w8a8_reference
 from hf_accel.quant.kernel import kernel_status, w8a8_kernel
 
 needs_vnni = pytest.mark.skipif(w8a8_kernel() is None, reason=f"W8A8 kernel: {kernel_status()}")
@@ -24,19 +24,26 @@ def _emulate_only(monkeypatch):
 
 
 def test_quantize_activations_exact_state():
+    """Group l of a row: features k with (k % 64) // 4 == l, four adjacent features of every 64-feature block."""
     x = torch.zeros(2, 128)
-    x[0, 0], x[0, 1], x[0, 2] = 2.0, -1.0, 0.5  # group 0 of row 0: max 2 -> step 2/127
-    x[0, 64] = -0.25  # group 1 of row 0: its own scale
+    x[0, 0], x[0, 1], x[0, 67] = 2.0, -1.0, 0.5  # group 0 of row 0 (67 % 64 = 3): max 2 -> step 2/127
+    x[0, 4], x[0, 64 + 7] = -0.25, 0.125  # group 1 of row 0: its own scale
     xq, scale = quantize_activations(x)
-    assert xq.dtype == torch.int8 and scale.shape == (2, 2)
-    assert xq[0, :3].tolist() == [127, -64, 32]  # 63.5 -> 64 and 31.75 -> 32: round half to even / nearest
-    assert xq[0, 64].item() == -127 and scale[0, 1].item() == pytest.approx(0.25 / 127, rel=1e-7)
+    assert xq.dtype == torch.int8 and scale.shape == (2, ACT_LANES)
+    assert [xq[0, 0].item(), xq[0, 1].item(), xq[0, 67].item()] == [127, -64, 32]  # 63.5 -> 64 (half to even)
+    assert xq[0, 4].item() == -127 and xq[0, 71].item() == 64  # 63.5 -> 64
     assert scale[0, 0].item() == pytest.approx(2.0 / 127, rel=1e-7)
-    assert scale[1].tolist() == [0.0, 0.0] and not xq[1].any()  # all-zero groups: scale 0, values 0
+    assert scale[0, 1].item() == pytest.approx(0.25 / 127, rel=1e-7)
+    assert scale[0, 2:].tolist() == [0.0] * 14 and scale[1].tolist() == [0.0] * 16  # all-zero groups: scale 0
+    assert not xq[1].any() and xq[0].count_nonzero().item() == 5
+    deq = dequantize_activations(xq, scale)[0, [0, 1, 67, 4, 71]]  # each value times its own group's scale
+    assert torch.equal(
+        deq, torch.stack([scale[0, 0] * v for v in (127, -64, 32)] + [scale[0, 1] * v for v in (-127, 64)])
+    )
 
 
 def test_quantize_activations_bad_input():
-    with pytest.raises(ValueError, match=r"K a multiple of 64, got \(2, 100\)"):
+    with pytest.raises(ValueError, match=r"W8A8 activations must be \[M, K\] with K a multiple of 64, got \(2, 100\)"):
         quantize_activations(torch.randn(2, 100))
     with pytest.raises(ValueError, match=r"W8A8 needs one weight scale per row, got group_size 32"):
         w8a8_reference(torch.randn(1, 64), quantize(torch.randn(4, 64), 32))
@@ -48,10 +55,10 @@ def test_w8a8_reference_is_the_integer_formula():
     qw = quantize(w)
     xq, xs = quantize_activations(x)
     expected = torch.zeros(3, 5, dtype=torch.float64)
-    for g in range(2):
-        cols = slice(g * ACT_GROUP, (g + 1) * ACT_GROUP)
+    for lane in range(ACT_LANES):
+        cols = (torch.arange(128) % 64) // 4 == lane  # the group's 8 features
         dots = xq[:, cols].long() @ qw.qweight[:, cols].long().T  # exact integers
-        expected += dots.double() * xs[:, g : g + 1].double()
+        expected += dots.double() * xs[:, lane : lane + 1].double()
     expected *= qw.scale.double().T
     assert torch.equal(w8a8_reference(x, qw), expected)  # float64 sums of exact integers: bitwise
     # and it is a linear layer: 8-bit activations and weights, ~1% relative error on gaussian data
@@ -63,15 +70,15 @@ def test_w8a8_reference_is_the_integer_formula():
 def test_kernel_quantizes_activations_bitwise_like_the_core():
     torch.manual_seed(1)
     x = torch.randn(7, 192) * torch.logspace(-3, 2, 7).unsqueeze(1)
-    x[2, 64:128] = 0  # an all-zero group
+    x[2, (torch.arange(192) % 64) // 4 == 5] = 0  # an all-zero group
+    x[4] = 0  # an all-zero row
     x[3, :64] = torch.arange(64) * (1.5 / 127)  # values on half-steps: the tie rule must match
-    xq, scale, base, offset = w8a8_kernel().quantize_activations(x)
+    xq, scale, base = w8a8_kernel().quantize_activations(x)
     ref_q, ref_scale = quantize_activations(x)
     assert torch.equal(xq, ref_q) and torch.equal(scale, ref_scale)
-    sums = ref_q.long().reshape(7, 3, ACT_GROUP).sum(-1)  # [M, G]
-    assert torch.equal(base, -128 * sums.int())
-    # what the unsigned weights' +128 adds to each row's scaled dots, summed in double then rounded to fp32
-    assert torch.equal(offset, (ref_scale.double() * 128 * sums.double()).sum(1).float())
+    assert scale[2, 5].item() == 0 and scale[4].abs().sum().item() == 0
+    sums = ref_q.long().reshape(7, 3, ACT_LANES, 4).sum((1, 3))  # [M, 16]: the values' sum per group
+    assert torch.equal(base, -128 * sums.int())  # each accumulator's start: cancels the unsigned weights' +128
 
 
 @needs_vnni
@@ -84,8 +91,8 @@ def test_vnni_kernel_matches_the_exact_reference(rows, shape):
     qw = quantize(torch.randn(n, k))
     got = w8a8_kernel().w8a8_linear(x, qw.qweight, qw.scale)
     expected = w8a8_reference(x, qw)
-    # integer dots are exact; the fp32 sum over K/64 scaled groups and the subtracted +128 offset round:
-    # <= 1e-6 of the output scale
+    # integer dots are exact (int32 per group); only the fp32 sum of 16 scaled groups rounds: <= 1e-6 of the
+    # output scale
     assert_close(got, expected.float(), atol=1e-6 * expected.abs().max().item(), rtol=0, name="vnni vs exact")
 
 
@@ -115,7 +122,7 @@ def test_w8a8_linear_matches_float_layer_on_dequantized_values(monkeypatch, emul
     x = torch.randn(2, rows, 256)  # [B, S, K]
     assert q.kernel_path(x) == ("w8a8-emulated" if emulated else "w8a8")
     xq, xs = quantize_activations(x.reshape(-1, 256))
-    x_deq = (xq.reshape(-1, 4, ACT_GROUP).float() * xs.unsqueeze(-1)).reshape(2, rows, 256)
+    x_deq = dequantize_activations(xq, xs).reshape(2, rows, 256)
     with torch.no_grad():
         got, original = q(x), linear(x)
         expected = nn.functional.linear(x_deq, dequantize(q.quantized), linear.bias)
@@ -154,7 +161,10 @@ def test_w8a8_model_level_every_architecture(tiny, arch):
     before = logits_of(tiny, ids, mask)
     weight_only = logits_of(hf_accel.patch_model(copy.deepcopy(tiny), int8=True), ids, mask)
     hf_accel.patch_model(tiny, int8=hf_accel.Int8Config(activations="int8"))
-    assert "W8A8: activations quantized per token and 64 features" in hf_accel.patch_report(tiny)["changes"]["int8"]
+    assert (
+        "W8A8: activations quantized per token in 16 interleaved feature groups"
+        in hf_accel.patch_report(tiny)["changes"]["int8"]
+    )
     assert all(m.activations == "int8" for m in tiny.modules() if isinstance(m, Int8Linear))
     after = logits_of(tiny, ids, mask)
     rel = ((after - before).norm() / before.norm()).item()

@@ -68,6 +68,26 @@ def test_prompt_lookup_proposes_the_continuation_of_the_most_recent_match():
     assert pl.propose([torch.tensor([8, 8, 8])], [3])[0].tokens.tolist() == [8, 8, 8]
 
 
+def test_prompt_lookup_realigns_after_an_edit():
+    """The copy of 1 2 3 4 5 6 7 8 broke: the model skipped 3 and wrote 4 (no n-gram ends in ``2 4``)."""
+    source = [9, 1, 2, 3, 4, 5, 6, 7, 8, 0]
+    seq = torch.tensor([*source, 1, 2, 4])
+    pl = PromptLookup(num_tokens=3)
+    assert pl.propose([seq], [3])[0].tokens.tolist() == [5, 6, 7]  # resumes after the 4 of the source
+    # a rewritten token (11 is not within 4 tokens of the copy position): nothing to resume from
+    assert pl.propose([torch.tensor([*source, 1, 2, 11])], [3])[0].tokens.tolist() == []
+    # 7 is 4 tokens past the copy position (3 4 5 6 7): outside realign=4, inside realign=5
+    seq = torch.tensor([*source, 1, 2, 7])
+    assert pl.propose([seq], [3])[0].tokens.tolist() == []
+    assert PromptLookup(num_tokens=3, realign=5).propose([seq], [3])[0].tokens.tolist() == [8, 0, 1]
+    assert (
+        PromptLookup(num_tokens=3, realign=0).propose([torch.tensor([*source, 1, 2, 4])], [3])[0].tokens.tolist() == []
+    )
+    # an n-gram match of the whole tail still wins over realigning
+    seq = torch.tensor([5, 2, 4, 7, 9, 1, 2, 3, 4, 5, 0, 1, 2, 4])
+    assert pl.propose([seq], [2])[0].tokens.tolist() == [7, 9]
+
+
 def test_adaptive_k_grows_keeps_halves_and_pauses():
     k = AdaptiveK(num_tokens=4, max_tokens=7, pause_after=2, pause_steps=3)
     k.reset(2)
@@ -94,6 +114,8 @@ def test_bad_strategy_options():
         PromptLookup(num_tokens=0)
     with pytest.raises(IncompatibleOptionsError, match=r"min_ngram \(3\) must be <= max_ngram \(2\)"):
         PromptLookup(max_ngram=2, min_ngram=3)
+    with pytest.raises(IncompatibleOptionsError, match="realign must be an int >= 0, got -1"):
+        PromptLookup(realign=-1)
     with pytest.raises(IncompatibleOptionsError, match="max_tokens must be an int >= 5, got 3"):
         AdaptiveK(num_tokens=5, max_tokens=3)
 

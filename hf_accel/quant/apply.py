@@ -132,7 +132,7 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     targets = _targets(model, parts, config)
     if config.activations == "int8":
         _check_w8a8(targets, embed.weight.device, recorder)
-        recorder.note(FEATURE, "W8A8: activations quantized per token and 64 features")
+        recorder.note(FEATURE, "W8A8: activations quantized per token in 16 interleaved feature groups")
     for name, linear in targets:
         check_resident(name, linear, "int8", _OFFLOAD_ADVICE)
         if is_sharded(linear.weight):

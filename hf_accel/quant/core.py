@@ -4,9 +4,11 @@ A weight ``W: [N, K]`` is stored as ``q: [N, K] int8`` and ``scale: [N, G] float
 (``G = 1``: one scale per output row). ``W ≈ q * scale`` broadcast over each group of ``group`` columns;
 ``scale = max|W_group| / 127`` so ``q ∈ [-127, 127]`` and dequantization is exact arithmetic on (q, scale).
 
-W8A8 (``Int8Config(activations="int8")``) also quantizes the activations, per row and per group of
-:data:`ACT_GROUP` features with the same rule, and the linear becomes integer dot products per group
-(:func:`w8a8_reference` is the exact definition the native kernel reproduces).
+W8A8 (``Int8Config(activations="int8")``) also quantizes the activations with the same rule, per row and per
+one of :data:`ACT_LANES` interleaved feature groups: feature ``k`` belongs to group ``(k % 64) // 4``, i.e. four
+adjacent features of every 64-feature block (the features one int32 lane of AVX-512 VNNI's ``vpdpbusd`` sums,
+so a kernel accumulates each group in integers over the whole row and scales once at the end). The linear
+becomes integer dot products per group (:func:`w8a8_reference` is the exact definition the kernel reproduces).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "ACT_GROUP",
+    "ACT_BLOCK",
+    "ACT_LANES",
     "QuantError",
     "QuantizedWeight",
     "dequantize",
+    "dequantize_activations",
     "dequantize_rows",
     "quantization_error",
     "quantize",
@@ -27,8 +31,10 @@ __all__ = [
     "w8a8_reference",
 ]
 
-#: Activation features sharing one scale in W8A8 (one 64-byte vector of int8).
-ACT_GROUP = 64
+#: W8A8 needs ``in_features`` to be a multiple of this (one 64-byte vector of int8).
+ACT_BLOCK = 64
+#: Activation scales per row in W8A8: group ``l`` holds features ``k`` with ``(k % ACT_BLOCK) // 4 == l``.
+ACT_LANES = 16
 
 
 @dataclass(frozen=True)
@@ -102,31 +108,40 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
 
 
+def _lane_view(x: torch.Tensor) -> torch.Tensor:
+    """``[M, K]`` -> ``[M, K / 64, 16, 4]``: dims 1 and 3 of the view run over one activation group."""
+    if x.dim() != 2 or x.shape[1] % ACT_BLOCK:
+        raise ValueError(f"W8A8 activations must be [M, K] with K a multiple of {ACT_BLOCK}, got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], x.shape[1] // ACT_BLOCK, ACT_LANES, ACT_BLOCK // ACT_LANES)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row and per group of :data:`ACT_GROUP` features.
+    """Symmetric int8 per row and per interleaved group of features (see the module docstring).
 
     Args:
-        x: ``[M, K]`` float32 with ``K % ACT_GROUP == 0``.
+        x: ``[M, K]`` float with ``K % ACT_BLOCK == 0``.
 
     Returns:
-        ``xq [M, K]`` int8 in ``[-127, 127]`` and ``scale [M, K / ACT_GROUP]`` float32 (``max|x_group| / 127``;
-        0 for an all-zero group, whose values are 0), so ``x ≈ xq * scale`` per group.
+        ``xq [M, K]`` int8 in ``[-127, 127]`` and ``scale [M, ACT_LANES]`` float32 (``max|x_group| / 127``; 0 for
+        an all-zero group, whose values are 0), so ``x ≈ dequantize_activations(xq, scale)``.
 
     Raises:
-        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT_GROUP`.
+        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT_BLOCK`.
     """
-    if x.dim() != 2 or x.shape[1] % ACT_GROUP:
-        raise ValueError(f"quantize_activations expects [M, K] with K a multiple of {ACT_GROUP}, got {tuple(x.shape)}")
-    m, k = x.shape
-    groups = x.float().reshape(m, k // ACT_GROUP, ACT_GROUP)  # [M, G, 64]
-    scale = groups.abs().amax(dim=-1) / 127.0  # [M, G]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    xq = torch.where(scale.unsqueeze(-1) > 0, torch.round(groups / safe), 0.0).clamp_(-127, 127)
-    return xq.to(torch.int8).reshape(m, k), scale
+    groups = _lane_view(x.float())  # [M, B, 16, 4]
+    scale = groups.abs().amax(dim=(1, 3)) / 127.0  # [M, 16]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]  # zero groups hold zeros
+    xq = torch.round(groups / safe).clamp_(-127, 127)
+    return xq.to(torch.int8).reshape(x.shape), scale
+
+
+def dequantize_activations(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``xq [M, K]`` int8 and ``scale [M, ACT_LANES]`` -> ``[M, K]`` float32 (each value times its group's scale)."""
+    return (_lane_view(xq).float() * scale[:, None, :, None]).reshape(xq.shape)
 
 
 def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """The W8A8 linear, exactly: ``sum_g xscale[m, g] * (xq[m, g] . q[n, g]) * wscale[n]`` in float64.
+    """The W8A8 linear, exactly: ``sum_l xscale[m, l] * (xq[m, group l] . q[n, group l]) * wscale[n]`` in float64.
 
     Args:
         x: ``[M, K]`` float activations.
@@ -138,12 +153,10 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if qw.scale.shape[1] != 1:
         raise ValueError(f"W8A8 needs one weight scale per row, got group_size {qw.group_size}")
     xq, xscale = quantize_activations(x)
-    m, k = xq.shape
-    n = qw.qweight.shape[0]
-    xg = xq.double().reshape(m, 1, k // ACT_GROUP, ACT_GROUP)  # [M, 1, G, 64]
-    wg = qw.qweight.double().reshape(1, n, k // ACT_GROUP, ACT_GROUP)  # [1, N, G, 64]
-    dots = (xg * wg).sum(-1)  # [M, N, G] exact integers
-    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, n)
+    xg = _lane_view(xq).double()  # [M, B, 16, 4]
+    wg = _lane_view(qw.qweight).double()  # [N, B, 16, 4]
+    dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
+    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,10 @@ class PromptLookup(Strategy):
     Pure tensor code. For ``n`` from ``max_ngram`` down to ``min_ngram``, the most recent earlier occurrence of
     the last ``n`` tokens (in the prompt or the generated text) wins; its continuation is the proposal. A
     continuation that reaches the end of the sequence goes on as the repetition it is (``a b c a b`` proposes
-    ``c a b c ...``). No match: no proposal (a plain decoding step, nothing wasted).
+    ``c a b c ...``). No match: no proposal (a plain decoding step, nothing wasted), except just after an edit:
+    when the text before the last token was being copied (its n-gram occurs earlier) and the model then wrote
+    a token of its own, the copy resumes after that token's first occurrence within ``realign`` tokens of
+    where the copy stood (the model skipped or rewrote a few tokens of what it copies).
 
     The defaults were chosen by measurement on SmolLM2 (``docs/speculative.md``): single-token matches are
     mostly wrong and each rejected proposal costs a wider forward, so ``min_ngram=2``; the most recent
@@ -210,6 +213,9 @@ class PromptLookup(Strategy):
         num_tokens: draft tokens per step (default 10).
         max_ngram: longest n-gram matched.
         min_ngram: shortest n-gram matched.
+        realign: how far after the copy position the token that broke a copy is looked for (0: never).
+            Simulated over recorded greedy outputs of the grounded benchmark task, 4 raised the tokens per
+            target forward from 3.12 / 4.57 / 2.72 / 4.00 to 3.20 / 4.74 / 2.72 / 4.13 and left chat unchanged.
         adaptive / max_tokens / fallback: see :class:`Strategy`.
     """
 
@@ -221,6 +227,7 @@ class PromptLookup(Strategy):
         num_tokens: int = 10,
         max_ngram: int = 3,
         min_ngram: int = 2,
+        realign: int = 4,
         adaptive: bool = False,
         max_tokens: int | None = None,
         fallback: bool = True,
@@ -230,29 +237,48 @@ class PromptLookup(Strategy):
         _check_k("min_ngram", min_ngram, 1)
         if min_ngram > max_ngram:
             raise IncompatibleOptionsError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        _check_k("realign", realign, 0)
+        self.max_ngram, self.min_ngram, self.realign = max_ngram, min_ngram, realign
 
     def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
         return [self._lookup(seq, k) for seq, k in zip(sequences, budgets, strict=True)]
+
+    def _match(self, seq: torch.Tensor) -> int | None:
+        """Where the continuation of the most recent earlier occurrence of ``seq``'s last n-gram starts."""
+        for n in range(min(self.max_ngram, seq.shape[0] - 1), self.min_ngram - 1, -1):
+            windows = seq.unfold(0, n, 1)[:-1]  # [L - n, n]: every earlier n-gram (not the tail itself)
+            hits = (windows == seq[-n:]).all(1).nonzero().flatten()
+            if hits.numel():
+                return int(hits[-1]) + n
+        return None
+
+    def _realigned(self, seq: torch.Tensor) -> int | None:
+        """After an edit: the copy position of ``seq[:-1]``, moved past the first occurrence of the last token
+        within ``realign`` tokens of it; ``None`` when there is none."""
+        copied = self._match(seq[:-1]) if self.realign else None
+        if copied is None:
+            return None
+        window = seq[copied : min(copied + self.realign, seq.shape[0] - 2)]  # [<= realign]
+        hits = (window == seq[-1]).nonzero().flatten()
+        return copied + int(hits[0]) + 1 if hits.numel() else None
 
     def _lookup(self, seq: torch.Tensor, k: int) -> Proposal:
         length = seq.shape[0]
         if k <= 0:
             return Proposal.empty()
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            windows = seq.unfold(0, n, 1)[:-1]  # [L - n, n]: every earlier n-gram (not the tail itself)
-            hits = (windows == seq[-n:]).all(1).nonzero().flatten()
-            if hits.numel():
-                start = int(hits[-1]) + n  # continuation of the most recent occurrence
-                period = length - start  # past the end, the copy repeats itself (a loop of `period` tokens)
-                index = start + torch.arange(k) % period  # [k]
-                return Proposal(seq[index])
-        return Proposal.empty()
+        start = self._match(seq)
+        if start is None:
+            start = self._realigned(seq)
+        if start is None:
+            return Proposal.empty()
+        period = length - start  # past the end, the copy repeats itself (a loop of `period` tokens)
+        index = start + torch.arange(k) % period  # [k]
+        return Proposal(seq[index])
 
     def __repr__(self) -> str:
         return (
             f"PromptLookup(num_tokens={self.k.num_tokens}, max_ngram={self.max_ngram}, "
-            f"min_ngram={self.min_ngram}, adaptive={self.k.adaptive})"
+            f"min_ngram={self.min_ngram}, realign={self.realign}, adaptive={self.k.adaptive})"
         )
 
 
