@@ -131,7 +131,7 @@ def main() -> None:
                 rate = statistics.median(s[0] for s in samples)
                 results[name] = (rate, samples[0][1], samples[0][2], statistics.median(s[3] for s in samples))
             base_rate, base_out, _, base_decode = results["plain generate"]
-            first_rate, first_decode = next(iter(results.values()))[0], next(iter(results.values()))[3]
+            first_rate, _, _, first_decode = next(iter(results.values()))
             for name, (rate, out, stats, decode) in results.items():
                 same = "yes" if torch.equal(out, base_out) else "NO"
                 acc = f"{stats['acceptance_rate']:.2f}" if stats else "-"

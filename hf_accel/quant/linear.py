@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ext import define_op
+from ..config import Int8Config
 from .core import (
     ACT_BLOCK,
     QuantizedWeight,
@@ -20,8 +21,9 @@ from .kernel import native_kernel, w8a8_kernel
 
 __all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "define_int8_op"]
 
-#: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8).
-ACTIVATIONS = ("float", "int8")
+#: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8); the same
+#: choices as ``Int8Config.activations``.
+ACTIVATIONS = Int8Config.ACTIVATIONS
 
 #: Up to this many activation rows the native GEMV-style kernel runs; above it (prefill) the weight is
 #: de-quantized once per call and MKL's GEMM does the work (compute-bound there, so int8 does not help).
@@ -139,10 +141,8 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         if path == "w8a8-emulated":
             y = self._w8a8_emulated(flat)
-        elif torch.compiler.is_compiling():  # an opaque op inside a compiled graph
-            y = torch.ops.hf_accel.int8_linear(flat, self.qweight, self.scale, path == "w8a8")
-        else:
-            y = _run_kernel(flat, self.qweight, self.scale, path == "w8a8")  # [M, N]
+        else:  # a kernel path here means compiling (eager calls took the fast path): an opaque op in the graph
+            y = torch.ops.hf_accel.int8_linear(flat, self.qweight, self.scale, path == "w8a8")  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -124,6 +124,13 @@ void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) <= kMaxK, "w8a8: in_features above ", kMaxK, " could overflow the int32 sums, got ", x.size(1));
 }
 
+// Every row of x [M, K] (see quantize_row), rows split over threads.
+void quantize_rows(const float* x, int8_t* xq, float* scale, int32_t* base, int64_t M, int64_t K) {
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(x + m * K, xq + m * K, scale + m * kLanes, base + m * kLanes, K);
+  });
+}
+
 // x [M, K] float32 -> (xq [M, K] int8, scale [M, 16] float32, base [M, 16] int32 = -128 * sum per group).
 std::vector<torch::Tensor> quantize(const torch::Tensor& x) {
   check_x(x);
@@ -131,13 +138,7 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x) {
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kChar));
   auto scale = torch::empty({M, kLanes}, x.options());
   auto base = torch::empty({M, kLanes}, x.options().dtype(torch::kInt));
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  int32_t* bp = base.data_ptr<int32_t>();
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, qp + m * K, sp + m * kLanes, bp + m * kLanes, K);
-  });
+  quantize_rows(x.data_ptr<float>(), xq.data_ptr<int8_t>(), scale.data_ptr<float>(), base.data_ptr<int32_t>(), M, K);
   return {xq, scale, base};
 }
 
@@ -154,10 +155,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   float* xs = reinterpret_cast<float*>(scratch.data_ptr<int32_t>());
   int32_t* base = scratch.data_ptr<int32_t>() + M * kLanes;
   int8_t* xq = reinterpret_cast<int8_t*>(base + M * kLanes);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) quantize_row(xp + m * K, xq + m * K, xs + m * kLanes, base + m * kLanes, K);
-  });
+  quantize_rows(x.data_ptr<float>(), xq, xs, base, M, K);
   auto y = torch::empty({M, N}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
