@@ -19,8 +19,9 @@ namespace hf_accel {
 constexpr int64_t kInt8Rows = 4;        // weight (output) rows per tile
 // Prefetch target: kInt8Ahead bytes past the end of the current tile (its rows are contiguous, so that is where
 // the next tile of this thread reads), advancing as fast as the tile consumes. Prefetching ahead within each row
-// instead mostly touched rows the tile was already reading (rows are only K bytes): 5-6 ms against 9-10 ms for
-// all of SmolLM2's linears at one activation row, weights not in cache (~25 GB/s against ~14).
+// instead mostly touched rows the tile was already reading (rows are only K bytes): 5.7 ms against 11.7 ms for
+// all of SmolLM2's linears at one activation row, weights not in cache (~23 GB/s against ~12;
+// benchmarks/bench_int8_kernels.py).
 constexpr int64_t kInt8Ahead = 2048;
 
 template <class V, int MR>
