@@ -60,6 +60,32 @@ def test_self_speculative_is_exact_and_accepts_most_drafts(weights):
     assert out.speculative["acceptance_rate"] > 0.5  # a cheaper copy of the same model mostly agrees
 
 
+@pytest.mark.parametrize(("paged", "weights"), [(False, "int8"), (True, "int8"), (False, torch.bfloat16)])
+def test_self_speculative_draft_starts_from_the_target_prompt_cache(paged, weights):
+    """Transformers' cache, same dtype: the draft copies the target's prompt cache and never runs the prompt; with
+    the paged cache (rows stored without padding) or a draft in another dtype it runs the prompt itself."""
+    plain, patched = _pair("llama")
+    ids, mask = _repetitive_batch(3)  # left-padded rows of 12, 30 and 21 tokens
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    spec = SelfSpeculative(weights)
+    patched.generate(input_ids=ids, attention_mask=mask, speculative=spec, paged=paged, **kwargs)  # builds the copy
+    widths: list[int] = []
+    hook = spec.draft.register_forward_pre_hook(
+        lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        out = patched.generate(input_ids=ids, attention_mask=mask, speculative=spec, paged=paged, **kwargs)
+    finally:
+        hook.remove()
+    assert torch.equal(out, expected)
+    seeded = not paged and weights == "int8"
+    # first draft forward: the first generated token (seeded), or its own prefill: every row's prompt and first
+    # generated token, left-padded to the longest row (30 + 1)
+    assert widths[0] == (1 if seeded else ids.shape[1] + 1)
+    assert all(w <= ids.shape[1] for w in widths[1:])
+
+
 class _Garbage(Strategy):
     """Proposes random tokens: may only cost time, never change greedy output."""
 

@@ -31,6 +31,11 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _float_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the model computes in: its first floating-point parameter's."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _vocab(model: nn.Module) -> int:
     out = model.get_output_embeddings()
     return int(out.weight.shape[0]) if out is not None and hasattr(out, "weight") else int(model.config.vocab_size)
@@ -232,6 +237,19 @@ class SelfSpeculative(DraftModel):
 
     def _check(self, target: nn.Module) -> None:
         return None  # the copy shares the target's vocabulary and device by construction
+
+    def prefilled(self, ragged: RaggedCache) -> None:
+        """Start the draft from a copy of the target's prompt cache instead of running the prompt again.
+
+        The copy has the target's architecture, so the target's keys/values fit it; it only proposes, so reading
+        the target's values for the prompt changes how well it guesses, never the output. Left to its own prefill
+        with the paged cache (rows stored without padding in the target's pool) or a draft in another dtype.
+        """
+        draft = self._ragged.model
+        if ragged.paged or _float_dtype(draft) != _float_dtype(ragged.model):
+            return
+        self._ragged = RaggedCache(draft, copy.deepcopy(ragged.cache), ragged.mask.clone())
+        self._seen = ragged.real_lengths().tolist()
 
     def _draft_for(self, target: nn.Module) -> nn.Module:
         if self.draft is None or self._for != id(target):

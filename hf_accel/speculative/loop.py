@@ -230,6 +230,7 @@ class _Loop:
             self.policy.reset(input_ids.shape[0])
         try:
             self._prefill(ragged, input_ids)
+            self.strategy.prefilled(ragged)
             active = self._compact(ragged, list(range(len(rows.done))))
             while active:
                 active = self._step(ragged, active)

@@ -1,7 +1,9 @@
 """Speculative strategies: what proposes draft tokens, behind one small protocol.
 
-A strategy serves one ``generate`` call at a time. The loop (:mod:`.loop`) calls, per step, for the rows
-still running (indices are positions in the *active* batch):
+A strategy serves one ``generate`` call at a time. The loop (:mod:`.loop`) calls :meth:`Strategy.start` first,
+:meth:`Strategy.prefilled` ``(ragged)`` once the target has run the prompt (a strategy with a cache of its own
+may start from the target's), then, per step, for the rows still running (indices are positions in the
+*active* batch):
 
 * :meth:`Strategy.propose` ``(sequences, budgets)`` -> one :class:`Proposal` per row, at most ``budget``
   tokens each (the budget is the row's adaptive ``k`` capped by what the row may still generate);
@@ -156,6 +158,11 @@ class Strategy:
         self.sampling = sampling
         self.processors = list(processors)
 
+    def prefilled(self, ragged: Any) -> None:
+        """The target has run the prompt: ``ragged`` (a :class:`~.ragged.RaggedCache`) holds its cache and
+        layout. A strategy with a cache of its own may start from it rather than run the prompt again; the
+        default does nothing."""
+
     def finish(self) -> None:
         """The call ended (normally or not): drop per-call state."""
 
@@ -309,6 +316,10 @@ class Composite(Strategy):
         super().start(target, batch, sampling, processors)
         for s in self.strategies:
             s.start(target, batch, sampling, processors)
+
+    def prefilled(self, ragged: Any) -> None:
+        for s in self.strategies:
+            s.prefilled(ragged)
 
     def finish(self) -> None:
         for s in self.strategies:
