@@ -29,6 +29,7 @@ __all__ = [
     "is_offloaded",
     "is_sharded",
     "local_tensor",
+    "model_dtype",
     "tp_size",
     "tp_style",
     "transfer_hook",
@@ -59,6 +60,11 @@ def execution_device(module: nn.Module) -> torch.device | None:
         if tensor.device.type != "meta":
             return tensor.device
     return None
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: its first floating-point parameter's (``float32`` if it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def check_resident(name: str, module: nn.Module, feature: str, advice: str) -> None:

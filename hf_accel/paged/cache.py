@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..dispatch import model_dtype
 from ..errors import CacheFullError, IncompatibleOptionsError
 from .blocks import BlockCopy, BlockManager
 
@@ -259,13 +260,6 @@ def _layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
     return [execution_device(layer) or torch.device("cpu") for layer in list(layers)[:num_layers]]
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
 class PagedCache(Cache):
     """A paged KV cache for ``model.generate`` (on a model patched by :func:`hf_accel.patch_model`).
 
@@ -313,7 +307,7 @@ class PagedCache(Cache):
                 f"PagedCache.attention must be one of {', '.join(map(repr, self.ATTENTION_MODES))}, got {attention!r}"
             )
         num_layers, kv_heads, head_dim = _kv_geometry(model)
-        dtype = _model_dtype(model)
+        dtype = model_dtype(model)
         devices = _layer_devices(model, num_layers)
         token_bytes = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         block_bytes = num_layers * block_size * token_bytes

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import Int8Config
+from ..dispatch import model_dtype
 from ..errors import IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
 from .bnb import is_bnb_linear
 from .linear import Int8Linear
@@ -73,16 +74,12 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
         "skip_modules": list(cfg.skip_modules),
         "model_type": model.config.model_type,
         "quantized": sorted(n for n, m in model.named_modules() if isinstance(m, Int8Linear)),
-        "dtype": str(_float_dtype(model)).removeprefix("torch."),
+        "dtype": str(model_dtype(model)).removeprefix("torch."),
     }
     (folder / RECORD).write_text(json.dumps(record, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _read_record(folder: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dispatch import model_dtype
 from ..errors import IncompatibleOptionsError
 from .ragged import RaggedCache
 from .strategies import Proposal, Strategy
@@ -29,11 +30,6 @@ logger = logging.getLogger("hf_accel.speculative")
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype the model computes in: its first floating-point parameter's."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _vocab(model: nn.Module) -> int:
@@ -246,7 +242,7 @@ class SelfSpeculative(DraftModel):
         with the paged cache (rows stored without padding in the target's pool) or a draft in another dtype.
         """
         draft = self._ragged.model
-        if ragged.paged or _float_dtype(draft) != _float_dtype(ragged.model):
+        if ragged.paged or model_dtype(draft) != model_dtype(ragged.model):
             return
         self._ragged = RaggedCache(draft, copy.deepcopy(ragged.cache), ragged.mask.clone())
         self._seen = ragged.real_lengths().tolist()
