@@ -95,3 +95,51 @@ def test_dense_reference_matches_explicit_softmax():
     for i, p in enumerate(positions):
         scores[:, i, (t > p) | (t <= p - 4)] = float("-inf")
     assert_close(got, scores.softmax(-1) @ vv, atol=1e-6, rtol=1e-5, name="reference")  # fp32
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _gqa_inputs(batch: int, q_len: int, ctx: int, float_mask: bool):
+    gen = torch.Generator().manual_seed(batch * 100 + q_len)
+    q = torch.randn(batch, 6, q_len, 16, generator=gen)  # [B, H_q, Q, D]
+    k = torch.randn(batch, 2, ctx, 16, generator=gen)  # [B, H_kv, T, D]
+    v = torch.randn(batch, 2, ctx, 16, generator=gen)
+    allowed = torch.ones(batch, 1, q_len, ctx, dtype=torch.bool)
+    allowed[..., ctx - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()  # causal chunk
+    allowed[0, ..., :3] = False  # row 0: left padding
+    if not float_mask:
+        return q, k, v, allowed
+    return q, k, v, torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize(("batch", "q_len", "float_mask"), [(1, 9, False), (2, 5, False), (3, 4, True)])
+def test_gqa_sdpa_equals_transformers_sdpa_bitwise(batch, q_len, float_mask):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_accel.paged.gqa import gqa_sdpa
+
+    q, k, v, mask = _gqa_inputs(batch, q_len, 40, float_mask)
+    module = _Attn(groups=3)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)  # repeat_kv copies K/V 3 times
+    got = gqa_sdpa(module, q, k, v, mask, 0.25, 0.0, {})
+    assert got is not None and got.shape == (batch, q_len, 6, 16) and got.is_contiguous()
+    assert torch.equal(got, expected)  # same kernel, same per-head K/V: bitwise identical
+
+
+def test_gqa_sdpa_leaves_other_calls_to_transformers():
+    from hf_accel.paged.gqa import gqa_sdpa
+
+    q, k, v, mask = _gqa_inputs(1, 4, 20, False)
+    grouped = _Attn(groups=3)
+    assert gqa_sdpa(grouped, q, k, v, mask, None, 0.0, {}) is not None
+    assert gqa_sdpa(_Attn(groups=1), q[:, :2], k, v, mask, None, 0.0, {}) is None  # no grouped heads
+    assert gqa_sdpa(grouped, q[:, :, :1], k, v, mask[:, :, :1], None, 0.0, {}) is None  # one query: no copy
+    assert gqa_sdpa(grouped, q, k, v, None, None, 0.0, {}) is None  # no mask: Transformers already uses GQA
+    assert gqa_sdpa(grouped, q, k, v, mask, None, 0.1, {}) is None  # dropout
+    assert gqa_sdpa(grouped, q, k, v, mask, None, 0.0, {"softcap": 30.0}) is None  # Transformers raises
+    assert gqa_sdpa(grouped, q, k, v, mask, None, 0.0, {"position_bias": torch.zeros(1)}) is None
+    assert gqa_sdpa(grouped, q, k, v, mask, None, 0.0, {"output_attentions": False, "softcap": None}) is not None

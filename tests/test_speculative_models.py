@@ -86,6 +86,97 @@ def test_self_speculative_draft_starts_from_the_target_prompt_cache(paged, weigh
     assert all(w <= ids.shape[1] for w in widths[1:])
 
 
+@pytest.mark.parametrize(
+    ("arch", "weights", "layers", "paged"),
+    [
+        ("llama", None, [0, 2], False),  # the target's own weights, half its layers
+        ("llama", "int8", [3, 0, 1], True),  # unsorted on purpose: kept in the target's order
+        ("gemma2", torch.bfloat16, [1, 2], False),  # sliding / global layer types follow their layers
+    ],
+)
+def test_self_speculative_layer_subset_is_exact(arch, weights, layers, paged):
+    plain, patched = _pair(arch, num_hidden_layers=4)
+    ids, mask = _repetitive_batch(3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    spec = SelfSpeculative(weights, layers=layers)
+    out = patched.generate(
+        input_ids=ids, attention_mask=mask, speculative=spec, paged=paged, return_dict_in_generate=True, **kwargs
+    )
+    assert torch.equal(out.sequences, expected)
+    assert out.speculative["proposed"] > 0
+    keep = sorted(layers)
+    draft_layers = spec.draft.model.layers
+    assert len(draft_layers) == spec.draft.config.num_hidden_layers == len(keep)
+    assert [layer.self_attn.layer_idx for layer in draft_layers] == list(range(len(keep)))
+    assert len(patched.model.layers) == patched.config.num_hidden_layers == 4  # the target is untouched
+    if getattr(patched.config, "layer_types", None) is not None:
+        assert spec.draft.config.layer_types == [patched.config.layer_types[i] for i in keep]
+    # the kept layers are copies of the target's: same weights (bf16 / int8 copies aside)
+    if weights is None:
+        for new, old in enumerate(keep):
+            assert torch.equal(
+                draft_layers[new].self_attn.q_proj.weight, patched.model.layers[old].self_attn.q_proj.weight
+            )
+
+
+def test_self_speculative_layer_subset_starts_from_the_kept_layers_of_the_prompt_cache():
+    plain, patched = _pair("llama", num_hidden_layers=4)
+    ids, mask = _repetitive_batch(3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    spec = SelfSpeculative(None, layers=[1, 3])
+    patched.generate(input_ids=ids, attention_mask=mask, speculative=spec, **kwargs)  # builds the copy
+    widths: list[int] = []
+    cached: list[int] = []
+
+    def record(module, args, kw):
+        widths.append(kw["input_ids"].shape[1])
+        cached.append(len(kw["cache"].layers))
+
+    hook = spec.draft.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = patched.generate(input_ids=ids, attention_mask=mask, speculative=spec, **kwargs)
+    finally:
+        hook.remove()
+    assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert widths[0] == 1  # seeded: the prompt is never run by the draft
+    assert set(cached) == {2}  # the copied prompt cache holds only the kept layers' keys/values
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layers": []}, "SelfSpeculative.layers is empty: keep at least one decoder layer"),
+        ({"layers": [0, 2, 0]}, r"SelfSpeculative.layers lists a layer twice: \[0, 2, 0\]"),
+        ({"layers": [0, -1]}, "SelfSpeculative.layers must be non-negative integers, got -1"),
+        ({"layers": "0,1"}, "SelfSpeculative.layers must be decoder-layer indices, got '0,1'"),
+        ({"weights": None}, "SelfSpeculative needs something cheaper than the target"),
+        ({"weights": "fp8"}, "SelfSpeculative.weights must be 'int8', a torch.dtype or None, got 'fp8'"),
+    ],
+)
+def test_self_speculative_bad_options(kwargs, message):
+    with pytest.raises(IncompatibleOptionsError, match=message):
+        SelfSpeculative(**kwargs)
+
+
+def test_self_speculative_layers_checked_against_the_model():
+    _, patched = _pair("llama")  # 2 decoder layers
+    ids, mask = random_batch(1, [6])
+    with pytest.raises(
+        IncompatibleOptionsError,
+        match=r"SelfSpeculative.layers names layer 2, but the model has 2 decoder layers \(0..1\)",
+    ):
+        patched.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=2, speculative=SelfSpeculative(layers=[0, 2])
+        )
+    with pytest.raises(
+        IncompatibleOptionsError, match="keeps every decoder layer: the draft would be the target itself"
+    ):
+        patched.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=2, speculative=SelfSpeculative(None, layers=[0, 1])
+        )
+
+
 class _Garbage(Strategy):
     """Proposes random tokens: may only cost time, never change greedy output."""
 

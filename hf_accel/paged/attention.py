@@ -3,7 +3,9 @@
 ``register(base)`` adds ``"hf_accel_paged:<base>"`` to ``AttentionInterface`` and ``AttentionMaskInterface``
 (done by :func:`hf_accel.patch_model`, never at import). ``base`` is the implementation the model used
 before (``"sdpa"``, ``"eager"``, ...): whenever the K/V do not come from a :class:`~.cache.PagedCache`
-(no cache, a ``DynamicCache``, ...), the call goes to the base function with the base mask, unchanged.
+(no cache, a ``DynamicCache``, ...), the call goes to the base function with the base mask, unchanged (one
+exception with the same result: ``sdpa`` with grouped K/V heads and a masked multi-query chunk on CPU runs
+SDPA on the grouped heads instead of copying K/V per group, :mod:`.gqa`).
 
 With a ``PagedCache``, the mask function returns a :class:`PagedMask` (the 2D padding mask, no 4D mask
 is built); the attention function writes the chunk's real tokens into the pool and then attends:
@@ -32,6 +34,7 @@ from torch import nn
 from .._ext import extension_status, load_extension
 from ..errors import IncompatibleOptionsError
 from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
+from .gqa import gqa_sdpa
 
 __all__ = [
     "DECODE_MAX_QUERY",
@@ -130,8 +133,11 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
             return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
         layer: PagedLayer | None = key.__dict__.get(LAYER_TAG)
-        if layer is None:  # not a PagedCache: the base implementation, untouched
+        if layer is None:  # not a PagedCache: the base implementation (its result; K/V copies spared on CPU)
             mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
+            out = gqa_sdpa(module, query, key, value, mask, scaling, dropout, kwargs) if base == "sdpa" else None
+            if out is not None:
+                return out, None
             return _base_attention(module, base)(
                 module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs
             )

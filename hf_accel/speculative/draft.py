@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -202,16 +202,72 @@ def _quantize_copy(model: nn.Module) -> None:
                 setattr(module, child_name, Int8Linear.from_module(child))
 
 
+def _check_layers(layers: Iterable[int] | None) -> tuple[int, ...] | None:
+    """``layers`` as sorted distinct indices, or ``None``; a typed error for anything else."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise IncompatibleOptionsError(f"SelfSpeculative.layers must be decoder-layer indices, got {layers!r}")
+    values = list(layers)
+    if not values:
+        raise IncompatibleOptionsError("SelfSpeculative.layers is empty: keep at least one decoder layer")
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise IncompatibleOptionsError(f"SelfSpeculative.layers must be non-negative integers, got {bad[0]!r}")
+    if len(set(values)) != len(values):
+        raise IncompatibleOptionsError(f"SelfSpeculative.layers lists a layer twice: {values}")
+    return tuple(sorted(values))
+
+
+def _keep_layers(model: nn.Module, keep: Sequence[int]) -> bool:
+    """Cut a private copy down to the decoder layers ``keep`` (sorted), renumbered 0..len(keep)-1; whether any
+    layer was dropped.
+
+    Every ``layer_idx`` inside a kept layer (the index it uses in the cache) and the config's per-layer fields
+    follow the new numbering, so a fresh cache built from the copy's config matches it.
+    """
+    from ..registry import get_spec, parent_and_name
+
+    holder, name = parent_and_name(model, get_spec(model).layers)
+    stack = getattr(holder, name)
+    if keep[-1] >= len(stack):
+        raise IncompatibleOptionsError(
+            f"SelfSpeculative.layers names layer {keep[-1]}, but the model has {len(stack)} decoder layers "
+            f"(0..{len(stack) - 1})"
+        )
+    if len(keep) == len(stack):
+        return False
+    kept = [stack[i] for i in keep]
+    for new, layer in enumerate(kept):
+        for module in layer.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                module.layer_idx = new
+    setattr(holder, name, nn.ModuleList(kept))
+    config = model.config
+    config.num_hidden_layers = len(keep)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in keep]
+    return True
+
+
 class SelfSpeculative(DraftModel):
-    """Drafts with a cheaper private copy of the target itself: its weights in int8 or a lower precision.
+    """Drafts with a cheaper private copy of the target itself: its weights in int8 or a lower precision,
+    and/or a subset of its decoder layers.
 
     The copy is made on the first call for a given target and kept (it costs memory: ~1/4 of the target's
     linear weights with int8). Acceptance is high because the copy is the same model; the speed-up comes
-    from the copy's faster decode steps (int8 reads a quarter of the bytes).
+    from the copy's faster decode steps (int8 reads a quarter of the bytes; each dropped layer saves its share).
 
     Args:
-        weights: ``"int8"`` (hf_accel's weight-only int8 kernel) or a ``torch.dtype`` such as ``torch.bfloat16``.
+        weights: ``"int8"`` (hf_accel's weight-only int8 kernel), a ``torch.dtype`` such as ``torch.bfloat16``, or
+            ``None`` (the target's own weights; then ``layers`` must drop some).
         num_tokens / adaptive / max_tokens / fallback: see :class:`~.strategies.Strategy`.
+        layers: indices of the decoder layers the copy keeps (e.g. ``range(0, 30, 2)``), in the target's
+            numbering; ``None`` keeps them all. Checked against the model on the first call.
+
+    Raises:
+        IncompatibleOptionsError: an unknown ``weights``, ``layers`` empty / not distinct non-negative integers,
+            neither option making the copy cheaper, or (at the call) a layer index the model does not have.
     """
 
     name = "self"
@@ -223,10 +279,18 @@ class SelfSpeculative(DraftModel):
         adaptive: bool = True,
         max_tokens: int | None = None,
         fallback: bool = False,
+        layers: Iterable[int] | None = None,
     ) -> None:
         Strategy.__init__(self, num_tokens, adaptive, max_tokens, fallback)
-        if weights != "int8" and not isinstance(weights, torch.dtype):
-            raise IncompatibleOptionsError(f"SelfSpeculative.weights must be 'int8' or a torch.dtype, got {weights!r}")
+        if weights is not None and weights != "int8" and not isinstance(weights, torch.dtype):
+            raise IncompatibleOptionsError(
+                f"SelfSpeculative.weights must be 'int8', a torch.dtype or None, got {weights!r}"
+            )
+        self.layers = _check_layers(layers)
+        if weights is None and self.layers is None:
+            raise IncompatibleOptionsError(
+                "SelfSpeculative needs something cheaper than the target: weights='int8' or a dtype, and/or layers=..."
+            )
         self.weights = weights
         self.draft = None
         self._for: int | None = None
@@ -244,18 +308,34 @@ class SelfSpeculative(DraftModel):
         draft = self._ragged.model
         if ragged.paged or model_dtype(draft) != model_dtype(ragged.model):
             return
-        self._ragged = RaggedCache(draft, copy.deepcopy(ragged.cache), ragged.mask.clone())
+        cache = ragged.cache
+        if self.layers is not None:  # the kept layers' entries, renumbered like the copy's layers
+            if len(getattr(cache, "layers", ())) <= max(self.layers):
+                return
+            subset = copy.copy(cache)
+            subset.layers = [cache.layers[i] for i in self.layers]
+            cache = subset
+        self._ragged = RaggedCache(draft, copy.deepcopy(cache), ragged.mask.clone())
         self._seen = ragged.real_lengths().tolist()
 
     def _draft_for(self, target: nn.Module) -> nn.Module:
         if self.draft is None or self._for != id(target):
-            self.draft = self.build(target, self.weights)
+            self.draft = self.build(target, self.weights, self.layers)
             self._for = id(target)
         return self.draft
 
     @staticmethod
-    def build(target: nn.Module, weights: str | torch.dtype) -> nn.Module:
-        """The cheaper copy of ``target`` (a private deep copy; the target is not touched)."""
+    def build(target: nn.Module, weights: str | torch.dtype | None, layers: Sequence[int] | None = None) -> nn.Module:
+        """The cheaper copy of ``target`` (a private deep copy; the target is not touched).
+
+        Args:
+            target: the (patched) model to copy.
+            weights: ``"int8"``, a ``torch.dtype`` or ``None`` (keep the target's).
+            layers: sorted indices of the decoder layers to keep, or ``None`` for all.
+
+        Raises:
+            IncompatibleOptionsError: offloaded / sharded weights, or a layer index the model does not have.
+        """
         from ..dispatch import is_offloaded, is_sharded
         from ..patch import _STATE_ATTR
 
@@ -273,12 +353,26 @@ class SelfSpeculative(DraftModel):
         from ..fused.packed import unpack_linears
 
         unpack_linears(draft)  # pre-packed weights (compile feature) back to plain linears before re-typing
+        if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
+            raise IncompatibleOptionsError(
+                "SelfSpeculative(weights=None) keeps every decoder layer: the draft would be the target itself; "
+                "drop some layers or pick cheaper weights"
+            )
         if weights == "int8":
             _quantize_copy(draft)
-        else:
+        elif weights is not None:
             draft.to(weights)
-        logger.info("hf_accel: built a %s self-speculative draft of %s", weights, type(target).__name__)
+        logger.info(
+            "hf_accel: built a self-speculative draft of %s (weights %s, layers %s)",
+            type(target).__name__,
+            weights if weights is not None else "unchanged",
+            "all" if layers is None else list(layers),
+        )
         return draft.eval()
 
     def __repr__(self) -> str:
-        return f"SelfSpeculative(weights={self.weights!r}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive})"
+        kept = "" if self.layers is None else f", layers={list(self.layers)}"
+        return (
+            f"SelfSpeculative(weights={self.weights!r}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive}"
+            f"{kept})"
+        )
