@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
 import torch
-from helpers import EOS, PAD, chat_batch, random_batch, tiny_model
+from helpers import EOS, PAD, assert_close, chat_batch, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
 from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
+from hf_accel.speculative.lean import LeanStep
+from hf_accel.speculative.ragged import RaggedCache
 from hf_accel.speculative.strategies import Proposal
 
 
@@ -175,6 +178,67 @@ def test_self_speculative_layers_checked_against_the_model():
         patched.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=2, speculative=SelfSpeculative(None, layers=[0, 1])
         )
+
+
+def _lean_draft(arch: str, int8: bool):
+    overrides = {"sliding_window": None} if arch == "mistral" else {}
+    model = tiny_model(arch, **overrides)
+    return SelfSpeculative.build(hf_accel.patch_model(model), "int8") if int8 else model
+
+
+@pytest.mark.parametrize(
+    ("arch", "int8"), [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
+)
+def test_lean_draft_step_matches_the_model_forward(arch, int8):
+    """The draft's one-token step without Transformers' forward: same logits and the same cache contents, over a
+    ragged layout with left padding and a hole."""
+    model = _lean_draft(arch, int8)
+    step = LeanStep.build(model)
+    assert step is not None
+    ids, mask = random_batch(3, [4, 9, 6], seed=5)
+    with torch.no_grad():
+        ragged = RaggedCache(model, DynamicCache(config=model.config), mask)
+        ragged.feed(ids, prefix=True, last_only=True)
+        ragged.feed(
+            torch.tensor([[7, 8], [9, 10], [11, 12]]), torch.tensor([[True, False], [True, True], [False, True]])
+        )
+        lean = RaggedCache(model, copy.deepcopy(ragged.cache), ragged.mask.clone(), step)
+        for token in (13, 14):
+            col = torch.full((3, 1), token)
+            expected = ragged.feed(col)[:, 0]  # [B, V] the model's own forward
+            got = lean.feed(col)[:, 0]
+            # fp32 (int8 copies de-quantize to the same fp32 weights in both): only op order differs
+            assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} logits")
+        for a, b in zip(lean.cache.layers, ragged.cache.layers, strict=True):
+            assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5, name="keys")
+            assert_close(a.values, b.values, atol=1e-5, rtol=1e-5, name="values")
+        assert torch.equal(lean.mask, ragged.mask)
+
+
+def test_lean_draft_step_applies_only_where_it_knows_the_model():
+    assert LeanStep.build(tiny_model("gemma")) is None  # (1 + w) norms, scaled embeddings
+    assert LeanStep.build(tiny_model("phi3")) is None  # fused projections
+    assert LeanStep.build(tiny_model("mistral", sliding_window=8)) is None  # sliding-window attention
+    hooked = tiny_model("llama")
+    hooked.model.layers[0].register_forward_hook(lambda m, a, out: out)
+    assert LeanStep.build(hooked) is None  # hooks must see the model's own forward
+
+
+def test_self_speculation_uses_the_lean_step(monkeypatch):
+    plain, patched = _pair("llama")
+    ids, mask = _repetitive_batch(3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    calls: list[int] = []
+    original = LeanStep.__call__
+
+    def counted(self, ids, mask, positions, cache):
+        calls.append(ids.shape[0])
+        return original(self, ids, mask, positions, cache)
+
+    monkeypatch.setattr(LeanStep, "__call__", counted)
+    out = patched.generate(input_ids=ids, attention_mask=mask, speculative=SelfSpeculative("int8"), **kwargs)
+    assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert calls  # the draft's one-token steps ran lean
 
 
 class _Garbage(Strategy):

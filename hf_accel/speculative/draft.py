@@ -5,7 +5,8 @@ The draft keeps its own cache over the same ragged rows as the target (:class:`.
 step it first feeds what it has not seen of every row (the target's last token, and a fully accepted
 proposal's final draft), then proposes autoregressively; after verification it rolls back each row to the
 accepted prefix. In sampling mode it samples from its own processed distribution and hands those
-probabilities to the verifier (rejection sampling needs them).
+probabilities to the verifier (rejection sampling needs them). Its one-token steps run through a
+:class:`.lean.LeanStep` where the draft's architecture allows (Llama family), else through its own forward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from ..dispatch import model_dtype
 from ..errors import IncompatibleOptionsError
+from .lean import LeanStep
 from .ragged import RaggedCache
 from .strategies import Proposal, Strategy
 
@@ -87,7 +89,10 @@ class DraftModel(Strategy):
         from transformers import DynamicCache
 
         model = self._draft_for(target)
-        self._ragged = RaggedCache(model, DynamicCache(config=model.config), torch.zeros(batch, 0, dtype=torch.long))
+        self._step = LeanStep.build(model)
+        self._ragged = RaggedCache(
+            model, DynamicCache(config=model.config), torch.zeros(batch, 0, dtype=torch.long), self._step
+        )
         self._seen = [0] * batch  # real tokens of each row the draft cache holds
         self._fed = 0  # draft tokens fed back in the last propose (rolled back per row by observe)
 
@@ -315,7 +320,7 @@ class SelfSpeculative(DraftModel):
             subset = copy.copy(cache)
             subset.layers = [cache.layers[i] for i in self.layers]
             cache = subset
-        self._ragged = RaggedCache(draft, copy.deepcopy(cache), ragged.mask.clone())
+        self._ragged = RaggedCache(draft, copy.deepcopy(cache), ragged.mask.clone(), self._step)
         self._seen = ragged.real_lengths().tolist()
 
     def _draft_for(self, target: nn.Module) -> nn.Module:

@@ -12,7 +12,7 @@ real tokens and a rollback truncates each row's block table (:meth:`PagedCache.r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,13 +29,18 @@ class RaggedCache:
         cache: a Transformers ``Cache`` (``DynamicCache``) or a ``PagedCache``, possibly holding a cached prefix.
         mask: ``[B, T0]`` the layout of what the cache will hold after the first :meth:`feed` (the prompt's
             padding mask); the first feed passes the tokens the cache lacks.
+        step: runs one-token feeds instead of the model's forward (a draft's :class:`~.lean.LeanStep`); not with
+            a ``PagedCache``.
     """
 
-    def __init__(self, model: nn.Module, cache: Any, mask: torch.Tensor) -> None:
+    def __init__(
+        self, model: nn.Module, cache: Any, mask: torch.Tensor, step: Callable[..., torch.Tensor] | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.mask = mask.long()  # [B, T]: 1 = real token, 0 = padding / hole
         self.paged = hasattr(cache, "rollback_rows")
+        self.step = None if self.paged else step  # one-token feeds: (ids, mask, positions, cache) -> [B, V]
 
     @property
     def batch(self) -> int:
@@ -66,6 +71,10 @@ class RaggedCache:
             mask = torch.cat([self.mask, chunk.to(self.mask.device)], 1)
         before = (mask[:, : mask.shape[1] - ids.shape[1]]).sum(1, keepdim=True)  # [B, 1] real tokens already in
         pos = (before + chunk.cumsum(1) - 1).clamp_min(0)  # [B, C] each real token's index in its row
+        if self.step is not None and ids.shape[1] == 1 and not prefix:
+            logits = self.step(ids, mask, pos, self.cache)[:, None]  # [B, 1, V]
+            self.mask = mask
+            return logits
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
