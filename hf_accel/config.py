@@ -83,7 +83,7 @@ class SpeculativeConfig:
     Args:
         strategy: ``"prompt_lookup"``, ``"draft"`` or ``"self"``.
         num_tokens: initial number of draft tokens proposed per step; ``None``: the strategy's default
-            (10 for prompt lookup, 5 for a draft model, 4 for self-speculation).
+            (10 for prompt lookup, 5 for a draft model, 6 for self-speculation).
         adaptive: grow/shrink the number of draft tokens per sequence from acceptance; ``None``: the strategy's
             default (off for prompt lookup, on for model drafts).
         max_ngram: longest n-gram matched by prompt lookup.

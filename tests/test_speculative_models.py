@@ -203,12 +203,26 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8):
             torch.tensor([[7, 8], [9, 10], [11, 12]]), torch.tensor([[True, False], [True, True], [False, True]])
         )
         lean = RaggedCache(model, copy.deepcopy(ragged.cache), ragged.mask.clone(), step)
-        for token in (13, 14):
-            col = torch.full((3, 1), token)
-            expected = ragged.feed(col)[:, 0]  # [B, V] the model's own forward
-            got = lean.feed(col)[:, 0]
-            # fp32 (int8 copies de-quantize to the same fp32 weights in both): only op order differs
-            assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} logits")
+        chunks = [  # (tokens, valid): one-token steps, and catch-ups of 2-3 tokens with holes
+            (torch.full((3, 1), 13), None),
+            (torch.tensor([[14, 15], [16, 17], [18, 19]]), torch.tensor([[False, True], [True, True], [True, False]])),
+            (torch.full((3, 1), 20), None),
+            (
+                torch.tensor([[21, 22, 23]] * 3),
+                torch.tensor([[True, True, True], [False, True, True], [True, True, True]]),
+            ),
+        ]
+        for ids_, valid in chunks:
+            for last_only in (False, True):
+                if last_only:  # the same chunk again, last logits only (rolled back first)
+                    ragged.rollback([int(x) for x in (valid if valid is not None else torch.ones_like(ids_)).sum(1)])
+                    lean.rollback([int(x) for x in (valid if valid is not None else torch.ones_like(ids_)).sum(1)])
+                expected = ragged.feed(ids_, valid, last_only=last_only)  # [B, C or 1, V] the model's own forward
+                got = lean.feed(ids_, valid, last_only=last_only)
+                real = (valid if valid is not None else torch.ones_like(ids_, dtype=torch.bool))[:, -got.shape[1] :]
+                # fp32 (int8 copies de-quantize to the same fp32 weights in both): only op order differs; holes'
+                # logits are never read
+                assert_close(got[real], expected[real], atol=2e-5, rtol=1e-5, name=f"{arch} logits")
         for a, b in zip(lean.cache.layers, ragged.cache.layers, strict=True):
             assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5, name="keys")
             assert_close(a.values, b.values, atol=1e-5, rtol=1e-5, name="values")
@@ -231,14 +245,14 @@ def test_self_speculation_uses_the_lean_step(monkeypatch):
     calls: list[int] = []
     original = LeanStep.__call__
 
-    def counted(self, ids, mask, positions, cache):
-        calls.append(ids.shape[0])
-        return original(self, ids, mask, positions, cache)
+    def counted(self, ids, mask, positions, cache, last_only=False):
+        calls.append(ids.shape[1])
+        return original(self, ids, mask, positions, cache, last_only)
 
     monkeypatch.setattr(LeanStep, "__call__", counted)
     out = patched.generate(input_ids=ids, attention_mask=mask, speculative=SelfSpeculative("int8"), **kwargs)
     assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
-    assert calls  # the draft's one-token steps ran lean
+    assert 1 in calls and max(calls) > 1  # the draft's one-token steps and its catch-ups ran lean
 
 
 class _Garbage(Strategy):
@@ -501,3 +515,41 @@ def test_finished_rows_leave_the_batch_once_half_of_it_has_finished(paged):
     # the batch only ever shrinks to at most half of what it was (4 -> 2 -> 1), never to 3
     changes = [(a, b) for a, b in itertools.pairwise(sizes) if a != b]
     assert 3 not in sizes and all(b <= a // 2 for a, b in changes), sizes
+
+
+def test_growing_cache_layer_behaves_like_dynamic_layer():
+    """The draft's in-place cache: same keys/values as DynamicCache through updates, crops, batch selection,
+    reset and a deep copy, with appends landing in one buffer while it has room."""
+    from hf_accel.speculative.growing import growing_cache, to_growing
+
+    config = tiny_model("llama").config
+    plain, grown = DynamicCache(config=config), growing_cache(config)
+    gen = torch.Generator().manual_seed(0)
+
+    def step(width: int) -> None:
+        k, v = torch.randn(3, 2, width, 16, generator=gen), torch.randn(3, 2, width, 16, generator=gen)
+        for layer in range(2):
+            expected = plain.update(k, v, layer)
+            got = grown.update(k, v, layer)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+    step(5)
+    buffer = grown.layers[0]._buf_k.data_ptr()
+    step(1)
+    step(3)
+    assert grown.layers[0]._buf_k.data_ptr() == buffer  # appended in place
+    plain.crop(-2), grown.crop(-2)
+    step(1)
+    assert grown.layers[0]._buf_k.data_ptr() == buffer  # a crop is a view: still the same buffer
+    index = torch.tensor([0, 2])
+    plain.batch_select_indices(index), grown.batch_select_indices(index)
+    k, v = torch.randn(2, 2, 200, 16, generator=gen), torch.randn(2, 2, 200, 16, generator=gen)
+    for layer in range(2):  # after a selection (a copy) and past the capacity: a new buffer, same contents
+        expected, got = plain.update(k, v, layer), grown.update(k, v, layer)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert grown.get_seq_length() == plain.get_seq_length() == 208
+    copied = to_growing(copy.deepcopy(plain))  # a seeded draft: the target's cache converted
+    assert type(copied.layers[0]) is type(grown.layers[0])
+    assert torch.equal(copied.layers[1].keys, plain.layers[1].keys)
+    grown.reset()
+    assert grown.get_seq_length() == 0

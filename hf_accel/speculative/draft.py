@@ -5,8 +5,9 @@ The draft keeps its own cache over the same ragged rows as the target (:class:`.
 step it first feeds what it has not seen of every row (the target's last token, and a fully accepted
 proposal's final draft), then proposes autoregressively; after verification it rolls back each row to the
 accepted prefix. In sampling mode it samples from its own processed distribution and hands those
-probabilities to the verifier (rejection sampling needs them). Its one-token steps run through a
-:class:`.lean.LeanStep` where the draft's architecture allows (Llama family), else through its own forward.
+probabilities to the verifier (rejection sampling needs them). Its steps and catch-ups run through a
+:class:`.lean.LeanStep` where the draft's architecture allows (Llama family), else through its own forward, over
+a cache that appends in place (:mod:`.growing`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..dispatch import model_dtype
 from ..errors import IncompatibleOptionsError
+from .growing import growing_cache, to_growing
 from .lean import LeanStep
 from .ragged import RaggedCache
 from .strategies import Proposal, Strategy
@@ -86,12 +88,10 @@ class DraftModel(Strategy):
     def start(self, target: nn.Module, batch: int, sampling: bool, processors: Sequence[Callable[..., Any]] = ()):
         self._check(target)
         super().start(target, batch, sampling, processors)
-        from transformers import DynamicCache
-
         model = self._draft_for(target)
         self._step = LeanStep.build(model)
         self._ragged = RaggedCache(
-            model, DynamicCache(config=model.config), torch.zeros(batch, 0, dtype=torch.long), self._step
+            model, growing_cache(model.config), torch.zeros(batch, 0, dtype=torch.long), self._step
         )
         self._seen = [0] * batch  # real tokens of each row the draft cache holds
         self._fed = 0  # draft tokens fed back in the last propose (rolled back per row by observe)
@@ -279,8 +279,8 @@ class SelfSpeculative(DraftModel):
 
     def __init__(
         self,
-        weights: str | torch.dtype = "int8",
-        num_tokens: int = 4,
+        weights: str | torch.dtype | None = "int8",
+        num_tokens: int = 6,
         adaptive: bool = True,
         max_tokens: int | None = None,
         fallback: bool = False,
@@ -320,7 +320,7 @@ class SelfSpeculative(DraftModel):
             subset = copy.copy(cache)
             subset.layers = [cache.layers[i] for i in self.layers]
             cache = subset
-        self._ragged = RaggedCache(draft, copy.deepcopy(cache), ragged.mask.clone(), self._step)
+        self._ragged = RaggedCache(draft, to_growing(copy.deepcopy(cache)), ragged.mask.clone(), self._step)
         self._seen = ragged.real_lengths().tolist()
 
     def _draft_for(self, target: nn.Module) -> nn.Module:

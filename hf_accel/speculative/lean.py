@@ -39,14 +39,14 @@ def _is_rms_norm(module: Any) -> bool:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (the half-split convention of these models). ``x [B, H, 1, D]``, ``cos/sin [B, 1, 1, D]``."""
+    """Rotary embedding (the half-split convention of these models). ``x [B, H, C, D]``, ``cos/sin [B, 1, C, D]``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 class LeanStep:
-    """One-token forward of a supported causal LM over a ``DynamicCache``: logits ``[B, V]``.
+    """Forward of a short chunk of a supported causal LM over a ``DynamicCache`` (draft steps, catch-ups).
 
     Build it with :meth:`build`; call it with the step's tokens, its ragged layout and positions.
     """
@@ -88,40 +88,49 @@ class LeanStep:
             return None  # hooks (accelerate offload, user hooks) must see the model's own forward
         return LeanStep(model)
 
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Run one token per row.
+    def __call__(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool = False
+    ) -> torch.Tensor:
+        """Run a short chunk (one token per row in a draft step; a few in a catch-up).
 
         Args:
-            ids: ``[B, 1]`` the step's tokens.
-            mask: ``[B, T]`` the ragged layout including this step's column (1 = real token; holes and padding 0).
-            positions: ``[B, 1]`` each token's index among its row's real tokens.
-            cache: the ``DynamicCache`` holding the first ``T - 1`` columns; this step's K/V are appended.
+            ids: ``[B, C]`` the chunk's tokens.
+            mask: ``[B, T]`` the ragged layout including the chunk's columns (1 = real token; holes and padding 0).
+            positions: ``[B, C]`` each token's index among its row's real tokens.
+            cache: the ``DynamicCache`` holding the first ``T - C`` columns; the chunk's K/V are appended.
+            last_only: only the last column's logits.
 
         Returns:
-            ``[B, V]`` logits of the next token.
+            ``[B, C, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
-        batch = ids.shape[0]
-        h = self.embed(ids)  # [B, 1, C]
-        cos, sin = self.rotary(h, position_ids=positions)  # each [B, 1, D]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]
-        allowed = mask.bool()[:, None, None, :]  # [B, 1, 1, T]: one query per row attends to its real tokens
+        batch, width = ids.shape
+        total = mask.shape[1]
+        h = self.embed(ids)  # [B, C, E]
+        cos, sin = self.rotary(h, position_ids=positions)  # each [B, C, D]
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, C, D]
+        allowed = mask.bool()[:, None, None, :]  # [B, 1, 1, T]: every query sees its row's real tokens ...
+        if width > 1:  # ... up to its own column
+            causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
+            allowed = allowed & causal
         groups = self.heads // self.kv_heads
+        # the query heads of a group share one K/V head: fold them into the query axis (no K/V copy)
+        allowed = allowed.repeat(1, 1, groups, 1) if width > 1 else allowed  # [B, 1, G*C, T]
         for layer in self.layers:
             attn = layer.self_attn
-            x = _rms_norm(layer.input_layernorm, h)  # [B, 1, C]
-            q = attn.q_proj(x).view(batch, 1, self.heads, self.head_dim)  # [B, 1, H, D]
-            k = attn.k_proj(x).view(batch, 1, self.kv_heads, self.head_dim)  # [B, 1, H_kv, D]
-            v = attn.v_proj(x).view(batch, self.kv_heads, 1, self.head_dim)  # [B, H_kv, 1, D] (one token)
+            x = _rms_norm(layer.input_layernorm, h)  # [B, C, E]
+            q = attn.q_proj(x).view(batch, width, self.heads, self.head_dim)  # [B, C, H, D]
+            k = attn.k_proj(x).view(batch, width, self.kv_heads, self.head_dim)  # [B, C, H_kv, D]
+            v = attn.v_proj(x).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D]
             if hasattr(attn, "q_norm"):  # qwen3: per-head norms before the rotation
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, 1, D]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, 1, D]
+            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, C, D]
+            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, C, D]
             keys, values = cache.update(k, v, attn.layer_idx)  # [B, H_kv, T, D]
-            # the query heads of a group share one K/V head: fold them into the query axis, no K/V copy
-            out = F.scaled_dot_product_attention(
-                q.reshape(batch, self.kv_heads, groups, self.head_dim), keys, values, attn_mask=allowed,
-                scale=attn.scaling,
-            )  # fmt: skip
-            h = h + attn.o_proj(out.reshape(batch, 1, self.heads * self.head_dim))
+            folded = q.reshape(batch, self.kv_heads, groups * width, self.head_dim)  # [B, H_kv, G*C, D]
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=allowed, scale=attn.scaling)
+            out = out.view(batch, self.heads, width, self.head_dim).transpose(1, 2)  # [B, C, H, D]
+            h = h + attn.o_proj(out.reshape(batch, width, self.heads * self.head_dim))
             h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-        return self.head(_rms_norm(self.norm, h))[:, 0]  # [B, V]
+        if last_only:
+            h = h[:, -1:]
+        return self.head(_rms_norm(self.norm, h))  # [B, C or 1, V]

@@ -18,7 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["RaggedCache"]
+__all__ = ["LEAN_MAX_WIDTH", "RaggedCache"]
+
+#: Widest chunk a ``step`` function runs (a draft's one-token steps and its catch-ups of a few tokens).
+LEAN_MAX_WIDTH = 4
 
 
 class RaggedCache:
@@ -29,8 +32,8 @@ class RaggedCache:
         cache: a Transformers ``Cache`` (``DynamicCache``) or a ``PagedCache``, possibly holding a cached prefix.
         mask: ``[B, T0]`` the layout of what the cache will hold after the first :meth:`feed` (the prompt's
             padding mask); the first feed passes the tokens the cache lacks.
-        step: runs one-token feeds instead of the model's forward (a draft's :class:`~.lean.LeanStep`); not with
-            a ``PagedCache``.
+        step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens (not prompts) instead of the model's forward (a
+            draft's :class:`~.lean.LeanStep`); not with a ``PagedCache``.
     """
 
     def __init__(
@@ -40,7 +43,7 @@ class RaggedCache:
         self.cache = cache
         self.mask = mask.long()  # [B, T]: 1 = real token, 0 = padding / hole
         self.paged = hasattr(cache, "rollback_rows")
-        self.step = None if self.paged else step  # one-token feeds: (ids, mask, positions, cache) -> [B, V]
+        self.step = None if self.paged else step  # (ids, mask, positions, cache, last_only) -> [B, C or 1, V]
 
     @property
     def batch(self) -> int:
@@ -71,8 +74,8 @@ class RaggedCache:
             mask = torch.cat([self.mask, chunk.to(self.mask.device)], 1)
         before = (mask[:, : mask.shape[1] - ids.shape[1]]).sum(1, keepdim=True)  # [B, 1] real tokens already in
         pos = (before + chunk.cumsum(1) - 1).clamp_min(0)  # [B, C] each real token's index in its row
-        if self.step is not None and ids.shape[1] == 1 and not prefix:
-            logits = self.step(ids, mask, pos, self.cache)[:, None]  # [B, 1, V]
+        if self.step is not None and ids.shape[1] <= LEAN_MAX_WIDTH and not prefix:
+            logits = self.step(ids, mask, pos, self.cache, last_only=last_only)  # [B, C or 1, V]
             self.mask = mask
             return logits
         out = self.model(
