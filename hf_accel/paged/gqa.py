@@ -10,6 +10,7 @@ bitwise by the tests), so this path runs it that way; every other call goes to T
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = ["gqa_sdpa"]
 _HANDLED_ELSEWHERE = ("softcap", "position_bias", "output_attentions", "s_aux", "sinks")
 
 
+@functools.cache
 def _torch_has_gqa() -> bool:
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 5)
