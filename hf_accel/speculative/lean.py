@@ -1,9 +1,10 @@
-"""A lean one-token decode step for draft models of the Llama family (the draft's hot loop).
+"""A lean forward of short chunks for draft models of the Llama family (the draft's hot loop).
 
 A draft model proposes one token per forward, and at SmolLM2's size most of such a forward is Transformers'
 per-call work (mask building, keyword plumbing, hooks), not maths: ~22 ms per int8 draft step, of which the int8
 linears are ~7 ms. :class:`LeanStep` runs the same layers' modules and weights directly over the same
-``DynamicCache`` and ragged 2D mask: ~15 ms (docs/speculative.md). It only ever serves a draft, whose tokens the
+``DynamicCache`` and ragged 2D mask: ~15 ms (docs/speculative.md); chunks of a few tokens (the draft's catch-ups
+after a verification) likewise. It only ever serves a draft, whose tokens the
 target verifies, so a numerical difference could cost acceptance but never change the output; the tests still
 hold it to the model's own forward at a tight tolerance.
 
@@ -104,6 +105,7 @@ class LeanStep:
             ``[B, C, V]`` logits (``[B, 1, V]`` with ``last_only``).
         """
         batch, width = ids.shape
+        mask, positions = mask.to(ids.device), positions.to(ids.device)  # the layout may live on the host
         total = mask.shape[1]
         h = self.embed(ids)  # [B, C, E]
         cos, sin = self.rotary(h, position_ids=positions)  # each [B, C, D]
