@@ -91,7 +91,10 @@ class DraftModel(Strategy):
         model = self._draft_for(target)
         self._step = LeanStep.build(model)
         self._ragged = RaggedCache(
-            model, growing_cache(model.config), torch.zeros(batch, 0, dtype=torch.long), self._step
+            model,
+            growing_cache(model.config),
+            torch.zeros(batch, 0, dtype=torch.long, device=_device(model)),
+            self._step,
         )
         self._seen = [0] * batch  # real tokens of each row the draft cache holds
         self._fed = 0  # draft tokens fed back in the last propose (rolled back per row by observe)
