@@ -12,32 +12,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-__all__ = ["growing_cache", "to_growing"]
+__all__ = ["GrowingLayer", "growing_cache", "to_growing"]
 
 
-def _layer_class() -> type:
-    from transformers.cache_utils import DynamicLayer
+class GrowingLayer(DynamicLayer):
+    """``DynamicLayer`` whose ``update`` writes into spare capacity instead of concatenating."""
 
-    class GrowingLayer(DynamicLayer):
-        """``DynamicLayer`` whose ``update`` writes into spare capacity instead of concatenating."""
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            # key_states / value_states: [B, H_kv, S_new, D]
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            used = self.keys.shape[-2] if self.keys.numel() else 0
-            need = used + key_states.shape[-2]
-            buf_k = getattr(self, "_buf_k", None)
-            if buf_k is None or need > buf_k.shape[-2] or not _leads(self.keys, buf_k, used, key_states):
-                self._buf_k = _grow(self.keys, key_states, used, need)
-                self._buf_v = _grow(self.values, value_states, used, need)
-            self._buf_k[:, :, used:need] = key_states
-            self._buf_v[:, :, used:need] = value_states
-            self.keys, self.values = self._buf_k[:, :, :need], self._buf_v[:, :, :need]  # [B, H_kv, need, D]
-            return self.keys, self.values
-
-    return GrowingLayer
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        # key_states / value_states: [B, H_kv, S_new, D]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used = self.keys.shape[-2] if self.keys.numel() else 0
+        need = used + key_states.shape[-2]
+        buf_k = getattr(self, "_buf_k", None)
+        if buf_k is None or need > buf_k.shape[-2] or not _leads(self.keys, buf_k, used, key_states):
+            self._buf_k = _grow(self.keys, key_states, used, need)
+            self._buf_v = _grow(self.values, value_states, used, need)
+        self._buf_k[:, :, used:need] = key_states
+        self._buf_v[:, :, used:need] = value_states
+        self.keys, self.values = self._buf_k[:, :, :need], self._buf_v[:, :, :need]  # [B, H_kv, need, D]
+        return self.keys, self.values
 
 
 def _leads(valid: torch.Tensor, buf: torch.Tensor, used: int, new: torch.Tensor) -> bool:
@@ -63,28 +60,14 @@ def to_growing(cache: Any) -> Any:
 
     Layers of other kinds (sliding windows, quantized, ...) are left as they are.
     """
-    from transformers.cache_utils import DynamicLayer
-
-    growing = _growing_class()
     for i, layer in enumerate(getattr(cache, "layers", [])):
         if type(layer) is DynamicLayer:
-            new = growing()
+            new = GrowingLayer()
             new.__dict__.update(layer.__dict__)  # keys / values / is_initialized / device as they were
             cache.layers[i] = new
     return cache
 
 
-def growing_cache(config: Any) -> Any:
+def growing_cache(config: Any) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers append in place."""
-    from transformers import DynamicCache
-
     return to_growing(DynamicCache(config=config))
-
-
-_CLASS: list[type] = []
-
-
-def _growing_class() -> type:
-    if not _CLASS:
-        _CLASS.append(_layer_class())
-    return _CLASS[0]

@@ -53,7 +53,6 @@ class LeanStep:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
         base = model.model
         self.embed, self.rotary, self.norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.layers = list(base.layers[: model.config.num_hidden_layers])
