@@ -105,6 +105,7 @@ def main() -> None:
                 "hf_accel prompt lookup + paged": {"speculative": PromptLookup(num_tokens=10), "paged": True},
                 "hf_accel prompt lookup k=16 + paged": {"speculative": PromptLookup(num_tokens=16), "paged": True},
                 "hf_accel self-spec (int8 copy)": {"speculative": self_spec},
+                "hf_accel self-spec + paged": {"speculative": self_spec, "paged": True},
                 "hf_accel prompt lookup, else self-spec": {"speculative": combo, "paged": True},
             }
             if batch == 1 and not args.compile:
@@ -112,7 +113,11 @@ def main() -> None:
                 methods["Transformers assistant_model (copy)"] = {"assistant_model": assistant}
             results = {}
             if args.compile:
-                for name in ("hf_accel self-spec (int8 copy)", "hf_accel prompt lookup, else self-spec"):
+                for name in (
+                    "hf_accel self-spec (int8 copy)",
+                    "hf_accel self-spec + paged",
+                    "hf_accel prompt lookup, else self-spec",
+                ):
                     del methods[name]
                 run(assistant, inputs, 4)
                 samples = [run(assistant, inputs, args.new_tokens) for _ in range(args.repeats)]

@@ -103,6 +103,32 @@ def test_logits_match_dynamic_cache_step_by_step():
     assert paged.get_seq_length() == ref.get_seq_length() == 21
 
 
+def test_dense_copy_lays_each_row_out_as_the_mask_says():
+    """``PagedCache.dense``: every layer's pooled K/V, padded like the prompt (a draft's cache is seeded from it),
+    equal to what Transformers' cache holds at the real positions and zero elsewhere; small blocks so rows span
+    several."""
+    plain, patched = _pair("qwen2")
+    ids, mask = random_batch(3, [4, 18, 11], seed=2)
+    ref, paged = DynamicCache(), PagedCache(patched, block_size=4, prefix_cache=False)
+    paged.start(ids, mask)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        plain(input_ids=ids, attention_mask=mask, position_ids=pos, cache=ref)
+        patched(input_ids=ids, attention_mask=mask, position_ids=pos, cache=paged)
+    real = mask.bool()
+    for layer in range(2):
+        keys, values = paged.dense(layer, mask)
+        assert keys.shape == values.shape == ref.layers[layer].keys.shape  # [B, H_kv, T, D]
+        for got, expected in ((keys, ref.layers[layer].keys), (values, ref.layers[layer].values)):
+            got, expected = got.transpose(1, 2), expected.transpose(1, 2)  # [B, T, H_kv, D]
+            assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5, name="K/V")  # fp32, attention rounding
+            assert not got[~real].any()
+    with pytest.raises(ValueError, match="row 0 holds 4 tokens but its mask has 5 positions"):
+        paged.dense(0, torch.ones(3, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"dense needs a \[3, T\] mask, got \(2, 18\)"):
+        paged.dense(0, mask[:2])
+
+
 def test_seeded_sampling_and_num_return_sequences_share_the_prompt():
     plain, patched = _pair("llama")
     ids, mask = random_batch(2, [20, 35], seed=3)

@@ -13,7 +13,8 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 import hf_accel
 from hf_accel import IncompatibleOptionsError
 from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
-from hf_accel.speculative.lean import LeanStep
+from hf_accel.speculative.growing import to_growing
+from hf_accel.speculative.lean import LeanStep, NativeLayers, native_module
 from hf_accel.speculative.ragged import RaggedCache
 from hf_accel.speculative.strategies import Proposal
 
@@ -65,8 +66,8 @@ def test_self_speculative_is_exact_and_accepts_most_drafts(weights):
 
 @pytest.mark.parametrize(("paged", "weights"), [(False, "int8"), (True, "int8"), (False, torch.bfloat16)])
 def test_self_speculative_draft_starts_from_the_target_prompt_cache(paged, weights):
-    """Transformers' cache, same dtype: the draft copies the target's prompt cache and never runs the prompt; with
-    the paged cache (rows stored without padding) or a draft in another dtype it runs the prompt itself."""
+    """Same dtype: the draft copies the target's prompt cache (Transformers' cache) or gathers it from the paged
+    pool into its padded layout, and never runs the prompt; a draft in another dtype runs the prompt itself."""
     plain, patched = _pair("llama")
     ids, mask = _repetitive_batch(3)  # left-padded rows of 12, 30 and 21 tokens
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
@@ -82,7 +83,7 @@ def test_self_speculative_draft_starts_from_the_target_prompt_cache(paged, weigh
     finally:
         hook.remove()
     assert torch.equal(out, expected)
-    seeded = not paged and weights == "int8"
+    seeded = weights == "int8"
     # first draft forward: the first generated token (seeded), or its own prefill: every row's prompt and first
     # generated token, left-padded to the longest row (30 + 1)
     assert widths[0] == (1 if seeded else ids.shape[1] + 1)
@@ -180,21 +181,50 @@ def test_self_speculative_layers_checked_against_the_model():
         )
 
 
-def _lean_draft(arch: str, int8: bool):
-    overrides = {"sliding_window": None} if arch == "mistral" else {}
+def _lean_draft(arch: str, int8: bool | str, **overrides):
+    if arch == "mistral":
+        overrides.setdefault("sliding_window", None)
     model = tiny_model(arch, **overrides)
+    if int8 == "fused":  # a float draft with hf_accel's fused gate/up MLP (a patched model)
+        return hf_accel.patch_model(model)
     return SelfSpeculative.build(hf_accel.patch_model(model), "int8") if int8 else model
 
 
-@pytest.mark.parametrize(
-    ("arch", "int8"), [("llama", False), ("mistral", False), ("qwen2", False), ("qwen3", False), ("llama", True)]
-)
-def test_lean_draft_step_matches_the_model_forward(arch, int8):
+_NATIVE = pytest.mark.skipif(native_module({16}) is None, reason="no native kernel on this CPU")
+
+
+def _with_overrides(case):
+    """A ``(arch, int8, native)`` case (plain or ``pytest.param``) with its config overrides (default none)."""
+    values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
+    return pytest.param(*values, *([{}] if len(values) == 3 else []), marks=marks)
+
+
+_LEAN_CASES = [
+    ("llama", False, False),
+    ("mistral", False, False),
+    ("qwen2", False, False),
+    ("qwen3", False, False),
+    ("llama", True, False),
+    pytest.param("llama", False, True, marks=_NATIVE),
+    pytest.param("mistral", False, True, marks=_NATIVE),
+    pytest.param("qwen2", False, True, marks=_NATIVE),  # q/k/v biases
+    pytest.param("qwen3", False, True, marks=_NATIVE),  # per-head q/k norms
+    pytest.param("llama", True, True, marks=_NATIVE),  # int8 copy with a fused gate/up
+    pytest.param("qwen3", "fused", True, marks=_NATIVE),  # float, fused gate/up
+    pytest.param("qwen2", True, True, marks=_NATIVE),
+    pytest.param("llama", True, True, {"head_dim": 12}, marks=_NATIVE),  # head size not a multiple of the lanes
+]
+
+
+@pytest.mark.parametrize(("arch", "int8", "native", "overrides"), [_with_overrides(c) for c in _LEAN_CASES])
+def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides):
     """The draft's one-token step without Transformers' forward: same logits and the same cache contents, over a
-    ragged layout with left padding and a hole."""
-    model = _lean_draft(arch, int8)
-    step = LeanStep.build(model)
+    ragged layout with left padding and a hole. ``native``: every layer in one native call over a growing cache;
+    else the layers' modules over a plain ``DynamicCache``."""
+    model = _lean_draft(arch, int8, **overrides)
+    step = LeanStep.build(model, native=native)
     assert step is not None
+    assert (step.native is not None) == native
     ids, mask = random_batch(3, [4, 9, 6], seed=5)
     with torch.no_grad():
         ragged = RaggedCache(model, DynamicCache(config=model.config), mask)
@@ -202,7 +232,9 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8):
         ragged.feed(
             torch.tensor([[7, 8], [9, 10], [11, 12]]), torch.tensor([[True, False], [True, True], [False, True]])
         )
-        lean = RaggedCache(model, copy.deepcopy(ragged.cache), ragged.mask.clone(), step)
+        seeded = copy.deepcopy(ragged.cache)
+        lean = RaggedCache(model, to_growing(seeded) if native else seeded, ragged.mask.clone(), step)
+        assert native == (step.native is not None and step.native.serves(lean.cache))
         chunks = [  # (tokens, valid): one-token steps, and catch-ups of 2-3 tokens with holes
             (torch.full((3, 1), 13), None),
             (torch.tensor([[14, 15], [16, 17], [18, 19]]), torch.tensor([[False, True], [True, True], [True, False]])),
@@ -238,21 +270,77 @@ def test_lean_draft_step_applies_only_where_it_knows_the_model():
     assert LeanStep.build(hooked) is None  # hooks must see the model's own forward
 
 
-def test_self_speculation_uses_the_lean_step(monkeypatch):
-    plain, patched = _pair("llama")
+@pytest.mark.skipif(native_module({16}, isa="avx2") is None, reason="no AVX2 build of the native layers here")
+def test_native_lean_layers_avx2_build_matches_the_modules():
+    """The AVX2 build (CPUs without AVX-512) against the module path: int8 and float drafts, ragged chunks."""
+    avx2 = native_module({16}, isa="avx2")
+    assert avx2.isa() == "AVX2"
+    for model in (_lean_draft("qwen2", True), _lean_draft("qwen3", False)):
+        native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
+        native.native.module = avx2
+        ids, mask = random_batch(2, [5, 3], seed=3)
+        with torch.no_grad():
+            plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+            plain.feed(ids, prefix=True, last_only=True)
+            a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+            b = RaggedCache(model, copy.deepcopy(plain.cache), mask.clone(), modules)
+            for chunk, valid in (
+                (torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[1, 1, 0], [1, 1, 1]])),
+                (torch.full((2, 1), 11), None),
+            ):
+                valid = None if valid is None else valid.bool()
+                got, expected = a.feed(chunk, valid), b.feed(chunk, valid)
+                real = valid if valid is not None else torch.ones_like(chunk, dtype=torch.bool)
+                assert_close(got[real], expected[real], atol=2e-5, rtol=1e-5, name="avx2 logits")  # fp32 op order
+
+
+@_NATIVE
+def test_native_lean_layers_apply_only_where_they_know_the_layers():
+    """Float32 ``nn.Linear`` / fused MLP / weight-only int8 layers run natively; anything else keeps the modules."""
+    from torch import nn
+
+    from hf_accel.quant import Int8Linear
+
+    assert LeanStep.build(hf_accel.patch_model(tiny_model("llama"))).native is not None  # fused fp32 gate/up
+    assert LeanStep.build(_lean_draft("llama", True)).native is not None
+    w8a8 = _lean_draft("llama", True)
+    attn = w8a8.model.layers[1].self_attn
+    attn.q_proj = Int8Linear.from_module(nn.Linear(64, 64, bias=False), activations="int8")
+    cases = {
+        "w8a8 projection": w8a8,
+        "bf16 weights": tiny_model("llama", dtype=torch.bfloat16),
+        "gelu MLP": tiny_model("llama", hidden_act="gelu"),
+    }
+    odd_eps = tiny_model("llama")
+    odd_eps.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-3
+    cases["differing norm epsilons"] = odd_eps
+    for name, model in cases.items():
+        step = LeanStep.build(model)
+        assert step is not None and step.native is None, name  # the lean step over the modules still applies
+
+
+@pytest.mark.parametrize(
+    ("arch", "runner"),
+    [("llama", LeanStep), pytest.param("qwen2", NativeLayers, marks=_NATIVE)],
+    ids=["lean", "native"],
+)
+def test_self_speculation_runs_its_draft_lean(monkeypatch, arch, runner):
+    """The draft's one-token steps and catch-ups go through the lean step (and, where it applies, the native layers:
+    its first argument is ``[B, C, ...]`` either way); greedy output stays identical."""
+    plain, patched = _pair(arch)
     ids, mask = _repetitive_batch(3)
     kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
-    calls: list[int] = []
-    original = LeanStep.__call__
+    widths: list[int] = []
+    original = runner.__call__
 
-    def counted(self, ids, mask, positions, cache, last_only=False):
-        calls.append(ids.shape[1])
-        return original(self, ids, mask, positions, cache, last_only)
+    def counted(self, first, *args, **kw):
+        widths.append(first.shape[1])
+        return original(self, first, *args, **kw)
 
-    monkeypatch.setattr(LeanStep, "__call__", counted)
+    monkeypatch.setattr(runner, "__call__", counted)
     out = patched.generate(input_ids=ids, attention_mask=mask, speculative=SelfSpeculative("int8"), **kwargs)
     assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
-    assert 1 in calls and max(calls) > 1  # the draft's one-token steps and its catch-ups ran lean
+    assert 1 in widths and max(widths) > 1  # one-token steps and catch-ups
 
 
 class _Garbage(Strategy):
@@ -548,6 +636,18 @@ def test_growing_cache_layer_behaves_like_dynamic_layer():
         expected, got = plain.update(k, v, layer), grown.update(k, v, layer)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert grown.get_seq_length() == plain.get_seq_length() == 208
+    layer = grown.layers[0]
+    buf_k, buf_v, used = layer.reserve(2, 2, 3, 16, torch.float32, torch.device("cpu"))  # a native writer's path
+    assert used == 208 and buf_k.shape[2] >= 211 and buf_k.is_contiguous() and buf_v.shape == buf_k.shape
+    assert torch.equal(buf_k[:, :, :used], plain.layers[0].keys) and layer.get_seq_length() == 208  # not yet visible
+    buf_k[:, :, used : used + 3], buf_v[:, :, used : used + 3] = 1.0, 2.0
+    keys, values = layer.commit(used + 3)
+    assert layer.get_seq_length() == 211 and keys.data_ptr() == buf_k.data_ptr()
+    assert torch.equal(keys[:, :, :used], plain.layers[0].keys) and bool((values[:, :, used:] == 2.0).all())
+    layer.crop(-3)
+    fresh = growing_cache(config).layers[0]  # reserving on an empty layer initialises it
+    buf_k, _, used = fresh.reserve(1, 2, 4, 16, torch.float32, torch.device("cpu"))
+    assert used == 0 and fresh.is_initialized and fresh.commit(4)[0].shape == (1, 2, 4, 16)
     copied = to_growing(copy.deepcopy(plain))  # a seeded draft: the target's cache converted
     assert type(copied.layers[0]) is type(grown.layers[0])
     assert torch.equal(copied.layers[1].keys, plain.layers[1].keys)

@@ -7,8 +7,8 @@
 // prefetch per 64 bytes consumed, aimed past the tile's end: see kInt8Ahead); per-group partial sums are
 // scaled once per group; tiles are split over threads.
 //
-// V provides: type F, kLanes, zero(), load(const float*), load_w(const int8_t*) (kLanes int8 -> float),
-// fma(a, b, c), set1(float), sum(F), and kName.
+// V (a struct of hf_accel/csrc/int8_traits.h) provides: type F, kLanes, zero(), load(const float*),
+// load_w(const int8_t*) (kLanes int8 -> float), fma(a, b, c), set1(float), sum(F), and kName.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -56,6 +56,29 @@ void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, in
     for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]);
 }
 
+// int8_tile for one scale per weight row (G == 1): the products accumulate straight into acc and the scale is
+// applied once to each output, so a 4 x 4 tile needs 16 accumulators instead of 32 (no register spills).
+template <class V, int MR>
+void int8_tile_rows(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
+                    int64_t ldy) {
+  using F = typename V::F;
+  F acc[MR][kInt8Rows];
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < kInt8Rows; ++r) acc[m][r] = V::zero();
+  const char* ahead = reinterpret_cast<const char*>(q) + rows * K + kInt8Ahead;
+  for (int64_t k = 0; k < K; k += V::kLanes) {
+    F xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
+    for (int64_t b = 0; b < rows * V::kLanes; b += 64) _mm_prefetch(ahead + k * rows + b, _MM_HINT_T0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const F w = V::load_w(q + r * K + k);
+      for (int m = 0; m < MR; ++m) acc[m][r] = V::fma(xv[m], w, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]) * scale[r];
+}
+
 // x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
 template <class V>
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
@@ -79,6 +102,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale)
       const int8_t* qt = qp + n0 * K;
       const float* st = sp + n0 * G;
       int64_t m = 0;
+      if (G == 1) {
+        for (; m + 4 <= M; m += 4) int8_tile_rows<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
+        for (; m + 2 <= M; m += 2) int8_tile_rows<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
+        for (; m < M; ++m) int8_tile_rows<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
+        continue;
+      }
       for (; m + 4 <= M; m += 4) int8_tile<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
       for (; m + 2 <= M; m += 2) int8_tile<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
       for (; m < M; ++m) int8_tile<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);

@@ -502,6 +502,41 @@ class PagedCache(Cache):
         self._length -= logical
         self._step = None
 
+    def dense(self, layer_idx: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s stored K/V laid out padded, as ``mask`` says (a copy for a padded consumer, such
+        as a draft model's own ``DynamicCache``).
+
+        Args:
+            layer_idx: the decoder layer.
+            mask: ``[B, T]``; row ``b``'s 1-entries, in order, receive the tokens row ``b`` holds.
+
+        Returns:
+            ``(keys, values)``, each ``[B, H_kv, T, D]`` on the layer's device; zeros where ``mask`` is 0.
+
+        Raises:
+            ValueError: ``mask`` has another number of rows, or a row's 1-entries differ from the tokens it holds.
+        """
+        layer = self.layers[layer_idx]
+        if mask.dim() != 2 or mask.shape[0] != len(self._rows):
+            raise ValueError(f"dense needs a [{len(self._rows)}, T] mask, got {tuple(mask.shape)}")
+        heads, dim = layer.keys.shape[2:]
+        keys = layer.keys.new_zeros(mask.shape[0], heads, mask.shape[1], dim)  # [B, H_kv, T, D]
+        values = torch.zeros_like(keys)
+        flat = (-1, heads, dim)
+        for row, seq in enumerate(self._rows):
+            cols = mask[row].to("cpu").nonzero().flatten()
+            held = self.manager.num_tokens(seq) if seq is not None else 0
+            if held != cols.numel():
+                raise ValueError(f"row {row} holds {held} tokens but its mask has {cols.numel()} positions")
+            if held == 0:
+                continue
+            table = torch.tensor(self.manager.block_table(seq), dtype=torch.int64)
+            slots = token_slots(table, held, self.block_size).to(layer.device)
+            cols = cols.to(layer.device)
+            keys[row][:, cols] = layer.keys.view(flat).index_select(0, slots).transpose(0, 1)  # [H_kv, n, D]
+            values[row][:, cols] = layer.values.view(flat).index_select(0, slots).transpose(0, 1)
+        return keys, values
+
     def _remap_rows(self, sources: Sequence[int]) -> None:
         new_rows = [None if self._rows[i] is None else self.manager.fork(self._rows[i]) for i in sources]
         for seq in self._rows:

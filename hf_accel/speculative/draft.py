@@ -258,6 +258,22 @@ def _keep_layers(model: nn.Module, keep: Sequence[int]) -> bool:
     return True
 
 
+def _from_paged(draft: nn.Module, paged: Any, mask: torch.Tensor, layers: Sequence[int] | None) -> Any:
+    """A growing ``DynamicCache`` for ``draft`` holding the paged cache's prompt K/V padded as ``mask`` (the kept
+    ``layers`` only, renumbered), or ``None`` where the draft's cache has other than full-attention layers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=draft.config)
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", [None])):
+        return None  # sliding windows and other layer kinds: the draft runs its prompt itself
+    device = _device(draft)
+    for new, old in enumerate(layers if layers is not None else range(len(cache.layers))):
+        keys, values = paged.dense(old, mask)  # [B, H_kv, T, D] each
+        cache.update(keys.to(device), values.to(device), new)
+    return to_growing(cache)
+
+
 class SelfSpeculative(DraftModel):
     """Drafts with a cheaper private copy of the target itself: its weights in int8 or a lower precision,
     and/or a subset of its decoder layers.
@@ -310,13 +326,21 @@ class SelfSpeculative(DraftModel):
         """Start the draft from a copy of the target's prompt cache instead of running the prompt again.
 
         The copy has the target's architecture, so the target's keys/values fit it; it only proposes, so reading
-        the target's values for the prompt changes how well it guesses, never the output. Left to its own prefill
-        with the paged cache (rows stored without padding in the target's pool) or a draft in another dtype.
+        the target's values for the prompt changes how well it guesses, never the output. From the paged cache
+        (rows stored without padding in the target's pool) each row's tokens are gathered into the padded layout
+        (:meth:`~hf_accel.paged.cache.PagedCache.dense`). Left to its own prefill for a draft in another dtype,
+        and from the paged cache for a draft whose cache has sliding-window or other non-full-attention layers.
         """
         draft = self._ragged.model
-        if ragged.paged or model_dtype(draft) != model_dtype(ragged.model):
+        if model_dtype(draft) != model_dtype(ragged.model):
             return
         cache = ragged.cache
+        if ragged.paged:
+            seeded = _from_paged(draft, cache, ragged.mask, self.layers)
+            if seeded is not None:
+                self._ragged = RaggedCache(draft, seeded, ragged.mask.clone(), self._step)
+                self._seen = ragged.real_lengths().tolist()
+            return
         if self.layers is not None:  # the kept layers' entries, renumbered like the copy's layers
             if len(getattr(cache, "layers", ())) <= max(self.layers):
                 return

@@ -19,37 +19,60 @@ __all__ = ["GrowingLayer", "growing_cache", "to_growing"]
 
 
 class GrowingLayer(DynamicLayer):
-    """``DynamicLayer`` whose ``update`` writes into spare capacity instead of concatenating."""
+    """``DynamicLayer`` whose ``update`` writes into spare capacity instead of concatenating.
+
+    :meth:`reserve` and :meth:`commit` split an update in two for a writer that fills the buffers itself (the
+    native lean layers): reserve room for ``new`` tokens, write columns ``[used, used + new)``, commit.
+    """
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states / value_states: [B, H_kv, S_new, D]
+        batch, heads, new, dim = key_states.shape
+        buf_k, buf_v, used = self.reserve(batch, heads, new, dim, key_states.dtype, key_states.device)
+        buf_k[:, :, used : used + new] = key_states
+        buf_v[:, :, used : used + new] = value_states
+        return self.commit(used + new)
+
+    def reserve(
+        self, batch: int, heads: int, new: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Make room for ``new`` more tokens; returns ``(keys buffer, values buffer, used)``.
+
+        The buffers are contiguous ``[B, H_kv, capacity, D]`` holding the layer's ``used`` tokens in their first
+        columns; nothing is visible until :meth:`commit`.
+        """
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            empty = torch.empty(batch, heads, 0, dim, dtype=dtype, device=device)
+            self.lazy_initialization(empty, empty)
         used = self.keys.shape[-2] if self.keys.numel() else 0
-        need = used + key_states.shape[-2]
+        need = used + new
+        shape = (batch, heads, dim, dtype, device)
         buf_k = getattr(self, "_buf_k", None)
-        if buf_k is None or need > buf_k.shape[-2] or not _leads(self.keys, buf_k, used, key_states):
-            self._buf_k = _grow(self.keys, key_states, used, need)
-            self._buf_v = _grow(self.values, value_states, used, need)
-        self._buf_k[:, :, used:need] = key_states
-        self._buf_v[:, :, used:need] = value_states
-        self.keys, self.values = self._buf_k[:, :, :need], self._buf_v[:, :, :need]  # [B, H_kv, need, D]
+        if buf_k is None or need > buf_k.shape[-2] or not _leads(self.keys, buf_k, used, shape):
+            self._buf_k = _grow(self.keys, shape, used, need)
+            self._buf_v = _grow(self.values, shape, used, need)
+        return self._buf_k, self._buf_v, used
+
+    def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the first ``length`` columns of the buffers the layer's keys and values; returns them."""
+        self.keys, self.values = self._buf_k[:, :, :length], self._buf_v[:, :, :length]  # [B, H_kv, length, D]
         return self.keys, self.values
 
 
-def _leads(valid: torch.Tensor, buf: torch.Tensor, used: int, new: torch.Tensor) -> bool:
-    """Whether ``buf`` fits ``new``'s rows and heads and ``valid`` is still ``buf[:, :, :used]`` (not replaced by a
-    batch selection's copy)."""
-    if buf.shape[:2] != new.shape[:2] or buf.shape[-1] != new.shape[-1] or buf.dtype != new.dtype:
+def _leads(valid: torch.Tensor, buf: torch.Tensor, used: int, shape: tuple) -> bool:
+    """Whether ``buf`` fits ``shape`` (rows, heads, head size, dtype, device) and ``valid`` is still
+    ``buf[:, :, :used]`` (not replaced by a batch selection's copy)."""
+    batch, heads, dim, dtype, device = shape
+    if buf.shape[:2] != (batch, heads) or buf.shape[-1] != dim or buf.dtype != dtype or buf.device != device:
         return False
     return used == 0 or (valid.data_ptr() == buf.data_ptr() and valid.stride() == buf.stride())
 
 
-def _grow(valid: torch.Tensor, new: torch.Tensor, used: int, need: int) -> torch.Tensor:
+def _grow(valid: torch.Tensor, shape: tuple, used: int, need: int) -> torch.Tensor:
     """A buffer with room for ``need`` tokens and ~25% (at least 128 tokens) more, holding ``valid``'s tokens."""
-    batch, heads, _, dim = new.shape
+    batch, heads, dim, dtype, device = shape
     capacity = max(need + need // 4, need + 128)
-    buf = new.new_empty(batch, heads, capacity, dim)  # [B, H_kv, capacity, D]
+    buf = torch.empty(batch, heads, capacity, dim, dtype=dtype, device=device)  # [B, H_kv, capacity, D]
     if used:
         buf[:, :, :used] = valid
     return buf

@@ -12,17 +12,31 @@ Covered: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` (pre-norm decoder layers, 
 q/k norms) with full attention everywhere; :meth:`LeanStep.build` returns ``None`` for anything else (other
 architectures, sliding-window layers, hooks or modules it does not recognise), and the draft then runs its
 model's own forward.
+
+Native path (:class:`NativeLayers`, ``csrc/lean_layers.cpp``): on a CPU with AVX2 (or AVX-512), a float32 draft
+whose projections are ``nn.Linear`` or weight-only ``Int8Linear``, SiLU-gated MLPs, one RMSNorm epsilon and a
+cache of :class:`~.growing.GrowingLayer` layers, all decoder layers of a step run in one native call (the per-layer
+Python and dispatcher work, ~250 us a layer, is most of an int8 draft step otherwise). Anything else runs the
+modules as below.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 
-__all__ = ["LeanStep"]
+from .._ext import load_extension
+from .growing import GrowingLayer
+
+__all__ = ["LeanStep", "NativeLayers", "native_module"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "lean_layers.cpp"
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -46,13 +60,156 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def native_module(groups: set[int], isa: str | None = None) -> ModuleType | None:
+    """The native layers built for this CPU and these int8 group sizes, or ``None``.
+
+    Args:
+        groups: the int8 projections' group sizes (AVX-512 needs multiples of 16, AVX2 of 8).
+        isa: ``"avx512"`` or ``"avx2"`` for that build only; ``None``: the widest that fits.
+    """
+    if isa in (None, "avx512") and all(g % 16 == 0 for g in groups):
+        module = load_extension("lean_layers_avx512", _SOURCE, "avx512")
+        if module is not None or isa == "avx512":
+            return module
+    if isa in (None, "avx2") and all(g % 8 == 0 for g in groups):
+        return load_extension("lean_layers", _SOURCE, "avx2")
+    return None
+
+
+def _absent() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def _projection(module: Any, groups: set[int]) -> list[torch.Tensor] | None:
+    """``[weight, int8 scales or empty, bias or empty]`` of a float32 ``nn.Linear`` or a weight-only
+    ``Int8Linear`` with a native kernel (its group size added to ``groups``); ``None`` for anything else."""
+    from ..quant import Int8Linear
+
+    bias = getattr(module, "bias", None)
+    bias = _absent() if bias is None else bias.detach()
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and bias.dtype == torch.float32:
+        return [module.weight.detach(), _absent(), bias]
+    if isinstance(module, Int8Linear) and module.activations == "float" and module._cpu_kernel == "native":
+        if bias.numel() and bias.dtype != torch.float32:
+            return None
+        qweight, scale = module.qweight, module.scale  # [N, K] int8, [N, G] float32
+        groups.add(qweight.shape[1] // scale.shape[1])
+        return [qweight, scale, bias]
+    return None
+
+
+def _mlp(mlp: nn.Module, groups: set[int]) -> list[torch.Tensor] | None:
+    """``gate`` (or the fused ``[gate; up]``), ``up`` (or absent) and ``down`` projections of a SiLU-gated MLP."""
+    from ..fused.mlp import FusedGatedMLP
+
+    if not isinstance(getattr(mlp, "act_fn", None), (nn.SiLU, SiLUActivation)) or not hasattr(mlp, "down_proj"):
+        return None
+    up: list[torch.Tensor] | None = [_absent()] * 3
+    if isinstance(mlp, FusedGatedMLP):
+        bias = mlp.gate_up_bias
+        weight = mlp.gate_up_weight.detach()
+        gate = None if weight.dtype != torch.float32 else [weight, _absent(), _absent() if bias is None else bias]
+    elif hasattr(mlp, "gate_up"):  # the int8 copy's fused MLP (speculative.draft._GatedMLP)
+        gate = _projection(mlp.gate_up, groups)
+    elif hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
+        gate, up = _projection(mlp.gate_proj, groups), _projection(mlp.up_proj, groups)
+    else:
+        return None
+    down = _projection(mlp.down_proj, groups)
+    if gate is None or up is None or down is None:
+        return None
+    return [*gate, *up, *down]
+
+
+class NativeLayers:
+    """Every decoder layer of a draft step in one native call (``csrc/lean_layers.cpp``).
+
+    Build it with :meth:`build` (``None`` where it does not apply); :meth:`serves` tells whether a cache suits it.
+    """
+
+    def __init__(self, module: ModuleType, params: list[list[torch.Tensor]], eps: float, scaling: float) -> None:
+        self.module, self.params, self.eps, self.scaling = module, params, eps, scaling
+
+    @staticmethod
+    def build(step: LeanStep) -> NativeLayers | None:
+        """The native layers of ``step``'s model, or ``None`` (not float32 on the CPU, a projection or MLP it does
+        not know, differing norm epsilons, no kernel for this CPU)."""
+        norms = [step.norm]
+        groups: set[int] = set()
+        params = []
+        scaling = step.layers[0].self_attn.scaling
+        for layer in step.layers:
+            attn = layer.self_attn
+            if attn.scaling != scaling:
+                return None
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            parts = [_projection(getattr(attn, name), groups) for name in _ATTENTION_PARTS]
+            mlp = _mlp(layer.mlp, groups)
+            if mlp is None or any(part is None for part in parts):
+                return None
+            head_norms = [_absent(), _absent()]
+            if hasattr(attn, "q_norm"):
+                if not (_is_rms_norm(attn.q_norm) and _is_rms_norm(attn.k_norm)):
+                    return None
+                norms += [attn.q_norm, attn.k_norm]
+                head_norms = [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
+            ln = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            params.append([*ln, *[t for part in parts for t in part], *mlp, *head_norms])  # csrc order
+        if len({norm.variance_epsilon for norm in norms}) != 1:
+            return None
+        tensors = [t for layer in params for t in layer if t.numel()]
+        if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int8) for t in tensors):
+            return None
+        module = native_module(groups)
+        if module is None:
+            return None
+        return NativeLayers(module, params, float(step.norm.variance_epsilon), float(scaling))
+
+    def serves(self, cache: Any) -> bool:
+        """Whether ``cache`` is one growing layer per decoder layer (the native call writes into its buffers)."""
+        layers = getattr(cache, "layers", None)
+        return (
+            layers is not None
+            and len(layers) == len(self.params)
+            and all(type(layer) is GrowingLayer for layer in layers)
+            and len({layer.get_seq_length() for layer in layers}) == 1
+        )
+
+    def __call__(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, kv: tuple
+    ) -> torch.Tensor:
+        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``kv`` is
+        ``(heads, kv_heads, head_dim)``. Appends the chunk's K/V to ``cache``; returns ``[B, C, E]``."""
+        batch, width, hidden = h.shape
+        heads, kv_heads, dim = kv
+        reserved = [layer.reserve(batch, kv_heads, width, dim, h.dtype, h.device) for layer in cache.layers]
+        used = reserved[0][2]
+        out = self.module.layers(
+            h.reshape(batch * width, hidden),
+            self.params,
+            [r[0] for r in reserved],
+            [r[1] for r in reserved],
+            used,
+            allowed.contiguous(),
+            cos.reshape(batch * width, dim),
+            sin.reshape(batch * width, dim),
+            heads,
+            kv_heads,
+            self.eps,
+            self.scaling,
+        )  # [B*C, E]
+        for layer in cache.layers:
+            layer.commit(used + width)
+        return out.view(batch, width, hidden)
+
+
 class LeanStep:
     """Forward of a short chunk of a supported causal LM over a ``DynamicCache`` (draft steps, catch-ups).
 
     Build it with :meth:`build`; call it with the step's tokens, its ragged layout and positions.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, native: bool = True) -> None:
         base = model.model
         self.embed, self.rotary, self.norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.layers = list(base.layers[: model.config.num_hidden_layers])
@@ -60,10 +217,16 @@ class LeanStep:
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
         self.head_dim = attn.head_dim
+        self.native = NativeLayers.build(self) if native else None
 
     @staticmethod
-    def build(model: nn.Module) -> LeanStep | None:
-        """A lean step for ``model``, or ``None`` where it does not apply (the model's own forward then runs)."""
+    def build(model: nn.Module, native: bool = True) -> LeanStep | None:
+        """A lean step for ``model``, or ``None`` where it does not apply (the model's own forward then runs).
+
+        Args:
+            model: the draft.
+            native: run the layers natively where :class:`NativeLayers` applies (``False``: always the modules).
+        """
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
             return None
@@ -86,7 +249,7 @@ class LeanStep:
                 return None
         if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()):
             return None  # hooks (accelerate offload, user hooks) must see the model's own forward
-        return LeanStep(model)
+        return LeanStep(model, native)
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool = False
@@ -113,6 +276,21 @@ class LeanStep:
         if width > 1:  # ... up to its own column
             causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
             allowed = allowed & causal
+        if self.native is not None and self.native.serves(cache):
+            kv = (self.heads, self.kv_heads, self.head_dim)
+            allowed = allowed[:, 0].expand(batch, width, total)  # [B, C, T]
+            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, kv)
+        else:
+            h = self._layers(h, cos, sin, allowed, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.head(_rms_norm(self.norm, h))  # [B, C or 1, V]
+
+    def _layers(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """The layers' own modules: ``h [B, C, E]``, ``cos / sin [B, 1, C, D]``, ``allowed [B, 1, C or 1, T]``."""
+        batch, width = h.shape[:2]
         groups = self.heads // self.kv_heads
         # the query heads of a group share one K/V head: fold them into the query axis (no K/V copy)
         allowed = allowed.repeat(1, 1, groups, 1) if width > 1 else allowed  # [B, 1, G*C, T]
@@ -132,6 +310,4 @@ class LeanStep:
             out = out.view(batch, self.heads, width, self.head_dim).transpose(1, 2)  # [B, C, H, D]
             h = h + attn.o_proj(out.reshape(batch, width, self.heads * self.head_dim))
             h = h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
-        if last_only:
-            h = h[:, -1:]
-        return self.head(_rms_norm(self.norm, h))  # [B, C or 1, V]
+        return h
