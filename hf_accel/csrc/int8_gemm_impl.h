@@ -24,6 +24,23 @@ constexpr int64_t kInt8Rows = 4;        // weight (output) rows per tile
 // benchmarks/bench_int8_kernels.py).
 constexpr int64_t kInt8Ahead = 2048;
 
+// Products of columns [k0, k1) of MR activation rows and `rows` weight rows, added into sums[m][r].
+template <class V, int MR>
+__attribute__((always_inline)) inline void int8_span(const float* x, const int8_t* q, int64_t rows, int64_t K,
+                                                     int64_t k0, int64_t k1, const char* ahead,
+                                                     typename V::F (&sums)[MR][kInt8Rows]) {
+  using F = typename V::F;
+  for (int64_t k = k0; k < k1; k += V::kLanes) {
+    F xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
+    for (int64_t b = 0; b < rows * V::kLanes; b += 64) _mm_prefetch(ahead + k * rows + b, _MM_HINT_T0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const F w = V::load_w(q + r * K + k);
+      for (int m = 0; m < MR; ++m) sums[m][r] = V::fma(xv[m], w, sums[m][r]);
+    }
+  }
+}
+
 template <class V, int MR>
 void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
                int64_t group, int64_t G, int64_t ldy) {
@@ -32,21 +49,19 @@ void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, in
   for (int m = 0; m < MR; ++m)
     for (int64_t r = 0; r < kInt8Rows; ++r) acc[m][r] = V::zero();
   const char* ahead = reinterpret_cast<const char*>(q) + rows * K + kInt8Ahead;
+  if (G == 1) {
+    // one scale per weight row: accumulate straight into acc and scale each output once, so a 4 x 4 tile holds
+    // 16 accumulators instead of 32 (the grouped path below spilled registers there)
+    int8_span<V, MR>(x, q, rows, K, 0, K, ahead, acc);
+    for (int m = 0; m < MR; ++m)
+      for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]) * scale[r];
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     F part[MR][kInt8Rows];
     for (int m = 0; m < MR; ++m)
       for (int64_t r = 0; r < kInt8Rows; ++r) part[m][r] = V::zero();
-    const int64_t k0 = g * group;
-    for (int64_t k = k0; k < k0 + group; k += V::kLanes) {
-      F xv[MR];
-      for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
-      for (int64_t b = 0; b < rows * V::kLanes; b += 64) _mm_prefetch(ahead + k * rows + b, _MM_HINT_T0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* row = q + r * K;
-        const F w = V::load_w(row + k);
-        for (int m = 0; m < MR; ++m) part[m][r] = V::fma(xv[m], w, part[m][r]);
-      }
-    }
+    int8_span<V, MR>(x, q, rows, K, g * group, (g + 1) * group, ahead, part);
     for (int64_t r = 0; r < rows; ++r) {
       const F s = V::set1(scale[r * G + g]);
       for (int m = 0; m < MR; ++m) acc[m][r] = V::fma(part[m][r], s, acc[m][r]);
@@ -54,29 +69,6 @@ void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, in
   }
   for (int m = 0; m < MR; ++m)
     for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]);
-}
-
-// int8_tile for one scale per weight row (G == 1): the products accumulate straight into acc and the scale is
-// applied once to each output, so a 4 x 4 tile needs 16 accumulators instead of 32 (no register spills).
-template <class V, int MR>
-void int8_tile_rows(const float* x, const int8_t* q, const float* scale, float* y, int64_t rows, int64_t K,
-                    int64_t ldy) {
-  using F = typename V::F;
-  F acc[MR][kInt8Rows];
-  for (int m = 0; m < MR; ++m)
-    for (int64_t r = 0; r < kInt8Rows; ++r) acc[m][r] = V::zero();
-  const char* ahead = reinterpret_cast<const char*>(q) + rows * K + kInt8Ahead;
-  for (int64_t k = 0; k < K; k += V::kLanes) {
-    F xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
-    for (int64_t b = 0; b < rows * V::kLanes; b += 64) _mm_prefetch(ahead + k * rows + b, _MM_HINT_T0);
-    for (int64_t r = 0; r < rows; ++r) {
-      const F w = V::load_w(q + r * K + k);
-      for (int m = 0; m < MR; ++m) acc[m][r] = V::fma(xv[m], w, acc[m][r]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]) * scale[r];
 }
 
 // x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
@@ -102,12 +94,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale)
       const int8_t* qt = qp + n0 * K;
       const float* st = sp + n0 * G;
       int64_t m = 0;
-      if (G == 1) {
-        for (; m + 4 <= M; m += 4) int8_tile_rows<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
-        for (; m + 2 <= M; m += 2) int8_tile_rows<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
-        for (; m < M; ++m) int8_tile_rows<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, N);
-        continue;
-      }
       for (; m + 4 <= M; m += 4) int8_tile<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
       for (; m + 2 <= M; m += 2) int8_tile<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
       for (; m < M; ++m) int8_tile<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);

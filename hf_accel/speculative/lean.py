@@ -127,8 +127,11 @@ class NativeLayers:
     Build it with :meth:`build` (``None`` where it does not apply); :meth:`serves` tells whether a cache suits it.
     """
 
-    def __init__(self, module: ModuleType, params: list[list[torch.Tensor]], eps: float, scaling: float) -> None:
+    def __init__(
+        self, module: ModuleType, params: list[list[torch.Tensor]], eps: float, scaling: float, kv: tuple[int, int, int]
+    ) -> None:
         self.module, self.params, self.eps, self.scaling = module, params, eps, scaling
+        self.heads, self.kv_heads, self.head_dim = kv
 
     @staticmethod
     def build(step: LeanStep) -> NativeLayers | None:
@@ -163,7 +166,8 @@ class NativeLayers:
         module = native_module(groups)
         if module is None:
             return None
-        return NativeLayers(module, params, float(step.norm.variance_epsilon), float(scaling))
+        kv = (step.heads, step.kv_heads, step.head_dim)
+        return NativeLayers(module, params, float(step.norm.variance_epsilon), float(scaling), kv)
 
     def serves(self, cache: Any) -> bool:
         """Whether ``cache`` is one growing layer per decoder layer (the native call writes into its buffers)."""
@@ -176,12 +180,12 @@ class NativeLayers:
         )
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, kv: tuple
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any
     ) -> torch.Tensor:
-        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``kv`` is
-        ``(heads, kv_heads, head_dim)``. Appends the chunk's K/V to ``cache``; returns ``[B, C, E]``."""
+        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool. Appends the
+        chunk's K/V to ``cache``; returns ``[B, C, E]``."""
         batch, width, hidden = h.shape
-        heads, kv_heads, dim = kv
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         reserved = [layer.reserve(batch, kv_heads, width, dim, h.dtype, h.device) for layer in cache.layers]
         used = reserved[0][2]
         out = self.module.layers(
@@ -277,9 +281,8 @@ class LeanStep:
             causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
             allowed = allowed & causal
         if self.native is not None and self.native.serves(cache):
-            kv = (self.heads, self.kv_heads, self.head_dim)
             allowed = allowed[:, 0].expand(batch, width, total)  # [B, C, T]
-            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, kv)
+            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache)
         else:
             h = self._layers(h, cos, sin, allowed, cache)
         if last_only:

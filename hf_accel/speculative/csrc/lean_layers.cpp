@@ -193,8 +193,8 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
       gate = both.narrow(1, 0, I);
       up = both.narrow(1, I, I);
     }
-    auto act = torch::empty_like(up, up.options().memory_format(at::MemoryFormat::Contiguous));  // [M, I]
-    const int64_t I = act.size(1);
+    const int64_t I = up.size(1);
+    auto act = torch::empty({M, I}, x.options());  // [M, I]
     for (int64_t m = 0; m < M; ++m) {
       const float* g = gate.data_ptr<float>() + m * gate.stride(0);
       const float* u = up.data_ptr<float>() + m * up.stride(0);
