@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import EOS, PAD, assert_close, chat_batch, random_batch, tiny_model
+from helpers import EOS, PAD, VOCAB, assert_close, chat_batch, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -228,7 +228,7 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
     ids, mask = random_batch(3, [4, 9, 6], seed=5)
     with torch.no_grad():
         ragged = RaggedCache(model, DynamicCache(config=model.config), mask)
-        ragged.feed(ids, prefix=True, last_only=True)
+        ragged.feed(ids, prefix=True, last=1)
         ragged.feed(
             torch.tensor([[7, 8], [9, 10], [11, 12]]), torch.tensor([[True, False], [True, True], [False, True]])
         )
@@ -245,12 +245,13 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
             ),
         ]
         for ids_, valid in chunks:
-            for last_only in (False, True):
-                if last_only:  # the same chunk again, last logits only (rolled back first)
+            for last in (0, 1, 2):  # every column's logits, then the same chunk again for the last 1 or 2 only
+                if last:  # (rolled back first)
                     ragged.rollback([int(x) for x in (valid if valid is not None else torch.ones_like(ids_)).sum(1)])
                     lean.rollback([int(x) for x in (valid if valid is not None else torch.ones_like(ids_)).sum(1)])
-                expected = ragged.feed(ids_, valid, last_only=last_only)  # [B, C or 1, V] the model's own forward
-                got = lean.feed(ids_, valid, last_only=last_only)
+                expected = ragged.feed(ids_, valid, last=last)  # [B, C or last, V] the model's own forward
+                got = lean.feed(ids_, valid, last=last)
+                assert got.shape == expected.shape
                 real = (valid if valid is not None else torch.ones_like(ids_, dtype=torch.bool))[:, -got.shape[1] :]
                 # fp32 (int8 copies de-quantize to the same fp32 weights in both): only op order differs; holes'
                 # logits are never read
@@ -281,7 +282,7 @@ def test_native_lean_layers_avx2_build_matches_the_modules():
         ids, mask = random_batch(2, [5, 3], seed=3)
         with torch.no_grad():
             plain = RaggedCache(model, DynamicCache(config=model.config), mask)
-            plain.feed(ids, prefix=True, last_only=True)
+            plain.feed(ids, prefix=True, last=1)
             a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
             b = RaggedCache(model, copy.deepcopy(plain.cache), mask.clone(), modules)
             for chunk, valid in (
@@ -653,3 +654,125 @@ def test_growing_cache_layer_behaves_like_dynamic_layer():
     assert torch.equal(copied.layers[1].keys, plain.layers[1].keys)
     grown.reset()
     assert grown.get_seq_length() == 0
+
+
+def _draft_feeds(monkeypatch, draft) -> list[tuple[int, int]]:
+    """Record ``(width, last)`` of every feed into ``draft``'s cache."""
+    feeds: list[tuple[int, int]] = []
+    original = RaggedCache.feed
+
+    def counted(self, ids, valid=None, prefix=False, last=0):
+        if self.model is draft:
+            feeds.append((ids.shape[1], last))
+        return original(self, ids, valid, prefix, last)
+
+    monkeypatch.setattr(RaggedCache, "feed", counted)
+    return feeds
+
+
+class _Oracle:
+    """A guesser that knows the greedy continuation ``reference`` but gets every ``wrong``-th token of a guess wrong
+    (so guesses hold in part and the draft's cache rolls back the rest)."""
+
+    def __init__(self, reference: torch.Tensor, wrong: int = 4) -> None:
+        self.reference, self.wrong = reference, wrong
+
+    def lookup(self, seq: torch.Tensor, k: int) -> Proposal:
+        guess = self.reference[seq.shape[0] : seq.shape[0] + k].clone()
+        guess[self.wrong - 1 :: self.wrong] = (guess[self.wrong - 1 :: self.wrong] + 1) % VOCAB
+        return Proposal(guess)
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_draft_checks_lookup_guesses_in_one_forward(monkeypatch, sampling):
+    """``lookup=True``: a draft forward also feeds a guess of the next tokens and the draft's tokens follow it while
+    they agree: the same proposals (same counts; sampled: the same seeded samples) in fewer draft forwards, output
+    identical to plain generate (greedy) or to drafting token by token (sampled, same seed)."""
+    plain, patched = _pair("llama")
+    ids, _ = _repetitive_batch(1)
+    kwargs = dict(max_new_tokens=24, eos_token_id=None, return_dict_in_generate=True)
+    kwargs.update(dict(do_sample=True, top_k=2) if sampling else dict(do_sample=False))
+    greedy = plain.generate(input_ids=ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    draft = copy.deepcopy(plain)  # drafts what the target says
+    feeds = _draft_feeds(monkeypatch, draft)
+    runs = {}
+    for lookup in (False, True):
+        feeds.clear()
+        torch.manual_seed(0)
+        strategy = DraftModel(draft, num_tokens=6, lookup=lookup)
+        strategy._guesser = _Oracle(greedy[0])  # random tiny models do not copy: guesses from the known answer
+        out = patched.generate(input_ids=ids, speculative=strategy, **kwargs)
+        runs[lookup] = (out, list(feeds))
+    (off, off_feeds), (on, on_feeds) = runs[False], runs[True]
+    assert torch.equal(on.sequences, off.sequences)
+    if not sampling:
+        assert torch.equal(on.sequences, greedy)
+        assert len(on_feeds) < len(off_feeds)
+    for key in ("proposed", "accepted", "target_forwards"):
+        assert on.speculative[key] == off.speculative[key], key
+    assert all(last <= 1 for _, last in off_feeds)  # token by token: last logits only
+    assert any(last > 1 for _, last in on_feeds)  # guesses checked
+
+
+def test_draft_guesses_only_for_a_single_row(monkeypatch):
+    """A batch's rows draft in the same forwards, so guesses are only checked while one row drafts; output exact."""
+    plain, patched = _pair("llama")
+    ids, mask = _repetitive_batch(3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    draft = copy.deepcopy(plain)
+    feeds = _draft_feeds(monkeypatch, draft)
+    out = patched.generate(input_ids=ids, attention_mask=mask, speculative=DraftModel(draft), **kwargs)
+    assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
+    assert all(last <= 1 for _, last in feeds)
+
+
+def test_draft_lookup_option_is_checked():
+    with pytest.raises(IncompatibleOptionsError, match=r"^DraftModel.lookup must be True or False, got 'yes'$"):
+        DraftModel(tiny_model("llama"), lookup="yes")
+    with pytest.raises(IncompatibleOptionsError, match=r"^SelfSpeculative.lookup must be True or False, got 1$"):
+        SelfSpeculative("int8", lookup=1)
+
+
+@pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
+def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
+    """A wide chunk (a guess check) of the VNNI build runs the int8 projections and the head as W8A8: the same maths
+    as the draft's modules switched to ``activations="int8"``; narrow chunks stay weight-only."""
+    from hf_accel.quant import Int8Linear
+    from hf_accel.speculative import lean
+
+    model = _lean_draft("llama", True)
+    native = LeanStep.build(model)
+    assert native.native.w8a8 and native.native.module.w8a8()
+    w8a8 = copy.deepcopy(model)
+    for module in w8a8.modules():
+        if isinstance(module, Int8Linear):
+            module.activations, module._cpu_kernel = "int8", "w8a8"
+    modules = LeanStep.build(w8a8, native=False)
+    ids, mask = random_batch(2, [5, 3], seed=4)
+    calls: list[bool] = []
+    original = NativeLayers.__call__
+
+    def spy(self, *args):
+        calls.append(args[-1])
+        return original(self, *args)
+
+    NativeLayers.__call__ = spy
+    try:
+        with torch.no_grad():
+            plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+            plain.feed(ids, prefix=True, last=1)
+            a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+            b = RaggedCache(w8a8, copy.deepcopy(plain.cache), mask.clone(), modules)
+            width = lean.W8A8_MIN_WIDTH
+            chunk = torch.arange(5, 5 + 2 * width).view(2, width)
+            valid = torch.ones(2, width, dtype=torch.bool)
+            valid[1, :2] = False  # a hole
+            got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, W, V]
+    finally:
+        NativeLayers.__call__ = original
+    assert calls == [True]
+    # W8A8 rounds activations to int8 steps, so float-order differences between the two paths can move a value
+    # across a rounding boundary: compare at the scale of one quantization step of the logits
+    scale = expected[valid].abs().max()
+    assert_close(got[valid], expected[valid], atol=float(2e-2 * scale), rtol=0, name="w8a8 logits")
+    assert (got[valid].argmax(-1) == expected[valid].argmax(-1)).float().mean() >= 0.9

@@ -124,16 +124,9 @@ class Int8Linear(nn.Module):
         return "native" if native and rows <= DECODE_MAX_ROWS else "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cpu_kernel and x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling():
-            # eager fast path (decode calls this ~200 times per step): the kernel, straight; buffers read from
-            # the dict (nn.Module.__getattr__ costs ~0.7 us each)
-            w8a8 = self._cpu_kernel == "w8a8"
-            if w8a8 or x.numel() <= DECODE_MAX_ROWS * self.in_features:
-                flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
-                y = _run_kernel(flat, self._buffers["qweight"], self._buffers["scale"], w8a8)  # [M, N]
-                if self.bias is not None:
-                    y = y + self.bias
-                return y.reshape(*x.shape[:-1], self.out_features)
+        fast = self._cpu_kernel and x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling()
+        if fast and (self._cpu_kernel == "w8a8" or x.numel() <= DECODE_MAX_ROWS * self.in_features):
+            return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
         path = self.kernel_path(x)
         if path == "dequantize":
             bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -145,6 +138,17 @@ class Int8Linear(nn.Module):
             y = torch.ops.hf_accel.int8_linear(flat, self.qweight, self.scale, path == "w8a8")  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """This layer's native CPU kernel on ``x [..., K]`` float32 whatever the row count (``forward`` takes it
+        for up to ``DECODE_MAX_ROWS`` rows, or always with W8A8). Only where :meth:`kernel_path` can say
+        ``"native"`` or ``"w8a8"``: a CPU kernel exists and ``x`` is float32 on the CPU."""
+        flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
+        # buffers read from the dict (nn.Module.__getattr__ costs ~0.7 us each)
+        y = _run_kernel(flat, self._buffers["qweight"], self._buffers["scale"], self._cpu_kernel == "w8a8")  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _w8a8_emulated(self, flat: torch.Tensor) -> torch.Tensor:

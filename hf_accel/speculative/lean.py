@@ -22,6 +22,7 @@ modules as below.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,6 +42,13 @@ _SOURCE = Path(__file__).with_name("csrc") / "lean_layers.cpp"
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: Up to this many rows an int8 draft head runs the kernel (one-off timing on SmolLM2's 49152x576 head: ~0.45 ms a
+#: row, against ~80 ms to de-quantize the weight for a GEMM)
+_HEAD_KERNEL_ROWS = 128
+#: From this chunk width (a draft's prompt-lookup guess check) a native int8 draft chunk runs W8A8 where it can (VNNI
+#: build): integer dot products beat converting every weight once per row there. Steps and catch-ups (1-3 wide) keep
+#: the weight-only kernel, closer to the int8 weights' own maths (one-off timings in docs/speculative.md)
+W8A8_MIN_WIDTH = 6
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +73,13 @@ def native_module(groups: set[int], isa: str | None = None) -> ModuleType | None
 
     Args:
         groups: the int8 projections' group sizes (AVX-512 needs multiples of 16, AVX2 of 8).
-        isa: ``"avx512"`` or ``"avx2"`` for that build only; ``None``: the widest that fits.
+        isa: ``"avx512vnni"`` (AVX-512 + VNNI: can also run W8A8), ``"avx512"`` or ``"avx2"`` for that build only;
+            ``None``: the widest that fits.
     """
+    if isa in (None, "avx512vnni") and all(g % 16 == 0 for g in groups):
+        module = load_extension("lean_layers_vnni", _SOURCE, "avx512vnni")
+        if module is not None or isa == "avx512vnni":
+            return module
     if isa in (None, "avx512") and all(g % 16 == 0 for g in groups):
         module = load_extension("lean_layers_avx512", _SOURCE, "avx512")
         if module is not None or isa == "avx512":
@@ -74,6 +87,29 @@ def native_module(groups: set[int], isa: str | None = None) -> ModuleType | None
     if isa in (None, "avx2") and all(g % 8 == 0 for g in groups):
         return load_extension("lean_layers", _SOURCE, "avx2")
     return None
+
+
+def _head(head: nn.Module, h: torch.Tensor, w8a8: ModuleType | None) -> torch.Tensor:
+    """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
+    de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
+    W8A8 through ``w8a8`` (the native layers' VNNI build) where the layers ran so."""
+    from ..quant import Int8Linear
+
+    if not (
+        isinstance(head, Int8Linear)
+        and head.activations == "float"
+        and head._cpu_kernel == "native"
+        and h.is_cpu
+        and h.dtype == torch.float32
+        and h.shape[0] * h.shape[1] <= _HEAD_KERNEL_ROWS
+    ):
+        return head(h)
+    if w8a8 is None or head.scale.shape[1] != 1 or head.in_features % 64:
+        return head.kernel(h)
+    y = w8a8.w8a8_linear(h.reshape(-1, head.in_features).contiguous(), head.qweight, head.scale)  # [B*C, V]
+    if head.bias is not None:
+        y = y + head.bias
+    return y.view(*h.shape[:-1], head.out_features)
 
 
 def _absent() -> torch.Tensor:
@@ -132,6 +168,9 @@ class NativeLayers:
     ) -> None:
         self.module, self.params, self.eps, self.scaling = module, params, eps, scaling
         self.heads, self.kv_heads, self.head_dim = kv
+        int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
+        #: the int8 projections can run W8A8 (VNNI build, one scale per weight row, in_features % 64 == 0)
+        self.w8a8 = bool(int8) and module.w8a8() and all(s.shape[1] == 1 and w.shape[1] % 64 == 0 for w, s in int8)
 
     @staticmethod
     def build(step: LeanStep) -> NativeLayers | None:
@@ -180,10 +219,11 @@ class NativeLayers:
         )
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, w8a8: bool
     ) -> torch.Tensor:
-        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool. Appends the
-        chunk's K/V to ``cache``; returns ``[B, C, E]``."""
+        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``w8a8``: the
+        int8 projections run W8A8 (only where :attr:`w8a8`). Appends the chunk's K/V to ``cache``; returns
+        ``[B, C, E]``."""
         batch, width, hidden = h.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         reserved = [layer.reserve(batch, kv_heads, width, dim, h.dtype, h.device) for layer in cache.layers]
@@ -201,6 +241,7 @@ class NativeLayers:
             kv_heads,
             self.eps,
             self.scaling,
+            w8a8,
         )  # [B*C, E]
         for layer in cache.layers:
             layer.commit(used + width)
@@ -256,7 +297,7 @@ class LeanStep:
         return LeanStep(model, native)
 
     def __call__(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last_only: bool = False
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last: int = 0
     ) -> torch.Tensor:
         """Run a short chunk (one token per row in a draft step; a few in a catch-up).
 
@@ -265,10 +306,10 @@ class LeanStep:
             mask: ``[B, T]`` the ragged layout including the chunk's columns (1 = real token; holes and padding 0).
             positions: ``[B, C]`` each token's index among its row's real tokens.
             cache: the ``DynamicCache`` holding the first ``T - C`` columns; the chunk's K/V are appended.
-            last_only: only the last column's logits.
+            last: only the last ``last`` columns' logits (0: every column's).
 
         Returns:
-            ``[B, C, V]`` logits (``[B, 1, V]`` with ``last_only``).
+            ``[B, C, V]`` logits (``[B, min(C, last), V]`` with ``last``).
         """
         batch, width = ids.shape
         mask, positions = mask.to(ids.device), positions.to(ids.device)  # the layout may live on the host
@@ -280,14 +321,16 @@ class LeanStep:
         if width > 1:  # ... up to its own column
             causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
             allowed = allowed & causal
+        w8a8 = None
         if self.native is not None and self.native.serves(cache):
             allowed = allowed[:, 0].expand(batch, width, total)  # [B, C, T]
-            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache)
+            w8a8 = self.native.module if self.native.w8a8 and width >= W8A8_MIN_WIDTH else None
+            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, w8a8 is not None)
         else:
             h = self._layers(h, cos, sin, allowed, cache)
-        if last_only:
-            h = h[:, -1:]
-        return self.head(_rms_norm(self.norm, h))  # [B, C or 1, V]
+        if last:
+            h = h[:, -last:]
+        return _head(self.head, _rms_norm(self.norm, h), w8a8)  # [B, C or last, V]
 
     def _layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any

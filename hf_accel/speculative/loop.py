@@ -249,7 +249,7 @@ class _Loop:
         start = ragged.cache.get_seq_length()
         t0 = time.perf_counter()
         with torch.no_grad():
-            logits = ragged.feed(input_ids[:, start:], prefix=True, last_only=True)[:, -1].float()  # [B, V]
+            logits = ragged.feed(input_ids[:, start:], prefix=True, last=1)[:, -1].float()  # [B, V]
         scores = self._process(input_ids, logits)
         tokens = self._pick(scores)
         self.stats.verify_s += time.perf_counter() - t0

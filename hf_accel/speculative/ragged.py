@@ -20,8 +20,9 @@ from torch import nn
 
 __all__ = ["LEAN_MAX_WIDTH", "RaggedCache"]
 
-#: Widest chunk a ``step`` function runs (a draft's one-token steps and its catch-ups of a few tokens).
-LEAN_MAX_WIDTH = 4
+#: Widest chunk a ``step`` function runs (a draft's one-token steps, its catch-ups of a few tokens and its
+#: checks of prompt-lookup guesses, which are at most a step's draft budget wide).
+LEAN_MAX_WIDTH = 32
 
 
 class RaggedCache:
@@ -43,7 +44,7 @@ class RaggedCache:
         self.cache = cache
         self.mask = mask.long()  # [B, T]: 1 = real token, 0 = padding / hole
         self.paged = hasattr(cache, "rollback_rows")
-        self.step = None if self.paged else step  # (ids, mask, positions, cache, last_only) -> [B, C or 1, V]
+        self.step = None if self.paged else step  # (ids, mask, positions, cache, last) -> [B, C or last, V]
 
     @property
     def batch(self) -> int:
@@ -53,7 +54,7 @@ class RaggedCache:
         return self.mask.sum(1)  # [B]
 
     def feed(
-        self, ids: torch.Tensor, valid: torch.Tensor | None = None, prefix: bool = False, last_only: bool = False
+        self, ids: torch.Tensor, valid: torch.Tensor | None = None, prefix: bool = False, last: int = 0
     ) -> torch.Tensor:
         """Run the model on a chunk and return its logits.
 
@@ -61,10 +62,11 @@ class RaggedCache:
             ids: ``[B, C]`` tokens; pad entries are anything.
             valid: ``[B, C]`` bool, False for holes (default: all real). Ignored with ``prefix``.
             prefix: the chunk is the tail of ``self.mask``'s initial layout (the prompt not yet cached).
-            last_only: only the last column's logits are needed (a prompt, a catch-up): the LM head skips the rest.
+            last: only the last ``last`` columns' logits are needed (1: a prompt, a catch-up); the LM head skips
+                the rest. 0: every column's.
 
         Returns:
-            ``[B, C, V]`` logits, or ``[B, 1, V]`` with ``last_only``.
+            ``[B, C, V]`` logits, or ``[B, last, V]``.
         """
         if prefix:
             mask = self.mask
@@ -75,7 +77,7 @@ class RaggedCache:
         before = (mask[:, : mask.shape[1] - ids.shape[1]]).sum(1, keepdim=True)  # [B, 1] real tokens already in
         pos = (before + chunk.cumsum(1) - 1).clamp_min(0)  # [B, C] each real token's index in its row
         if self.step is not None and ids.shape[1] <= LEAN_MAX_WIDTH and not prefix:
-            logits = self.step(ids, mask, pos, self.cache, last_only=last_only)  # [B, C or 1, V]
+            logits = self.step(ids, mask, pos, self.cache, last=last)  # [B, C or last, V]
             self.mask = mask
             return logits
         out = self.model(
@@ -84,7 +86,7 @@ class RaggedCache:
             position_ids=pos,
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=last,
         )
         self.mask = mask
         return out.logits

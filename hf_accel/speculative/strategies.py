@@ -248,7 +248,7 @@ class PromptLookup(Strategy):
         self.max_ngram, self.min_ngram, self.realign = max_ngram, min_ngram, realign
 
     def propose(self, sequences: Sequence[torch.Tensor], budgets: Sequence[int]) -> list[Proposal]:
-        return [self._lookup(seq, k) for seq, k in zip(sequences, budgets, strict=True)]
+        return [self.lookup(seq, k) for seq, k in zip(sequences, budgets, strict=True)]
 
     def _match(self, seq: torch.Tensor) -> int | None:
         """Where the continuation of the most recent earlier occurrence of ``seq``'s last n-gram starts."""
@@ -269,7 +269,8 @@ class PromptLookup(Strategy):
         hits = (window == seq[-1]).nonzero().flatten()
         return copied + int(hits[0]) + 1 if hits.numel() else None
 
-    def _lookup(self, seq: torch.Tensor, k: int) -> Proposal:
+    def lookup(self, seq: torch.Tensor, k: int) -> Proposal:
+        """Up to ``k`` tokens continuing ``seq`` (``[L]`` int64 CPU) by copying; empty where nothing matches."""
         length = seq.shape[0]
         if k <= 0:
             return Proposal.empty()

@@ -7,7 +7,9 @@
 // attention over the ragged mask (grouped heads read their shared K/V head in place) and SiLU-gated MLP.
 // Same maths as the layers' modules in fp32; only the rounding order differs.
 //
-// Compiled twice (lean_layers / lean_layers_avx512): int8 weights use the widest int8 kernel of the build.
+// Compiled three times (lean_layers / lean_layers_avx512 / lean_layers_vnni): int8 weights use the widest
+// weight-only int8 kernel of the build; the VNNI build can also run them as W8A8 (activations quantized per row,
+// integer dot products: hf_accel/csrc/w8a8_impl.h), which pays for chunks of many rows (a draft's guess checks).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -15,6 +17,12 @@
 #include <vector>
 #include "int8_traits.h"
 #include "int8_gemm_impl.h"
+#ifdef __AVX512VNNI__
+#include "w8a8_impl.h"
+constexpr bool kW8A8 = true;
+#else
+constexpr bool kW8A8 = false;
+#endif
 
 namespace {
 
@@ -35,13 +43,18 @@ enum Param : size_t {
   kParams
 };
 
-// x [M, K] -> [M, N]: int8 weight (with scales) through the int8 kernel, else at::linear; plus bias.
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, size_t w) {
+// x [M, K] -> [M, N]: int8 weight (with scales) through the int8 kernel (W8A8 with `w8a8`: row scales, K % 64 == 0,
+// VNNI build only), else at::linear; plus bias.
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, size_t w, bool w8a8) {
   const torch::Tensor& weight = p[w];
   const torch::Tensor& scale = p[w + 1];
   const torch::Tensor& bias = p[w + 2];
   if (weight.scalar_type() != torch::kChar) return at::linear(x, weight, bias.numel() ? bias : torch::Tensor());
-  torch::Tensor y = hf_accel::int8_linear<V>(x, weight, scale);
+  torch::Tensor y;
+#ifdef __AVX512VNNI__
+  if (w8a8) y = hf_accel::w8a8::w8a8_linear(x, weight, scale);
+#endif
+  if (!y.defined()) y = hf_accel::int8_linear<V>(x, weight, scale);
   if (bias.numel()) y.add_(bias);
   return y;
 }
@@ -131,14 +144,16 @@ void attend(const float* q, const float* keys, const float* values, const bool* 
 
 }  // namespace
 
-// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E].
+// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. With `w8a8`
+// (VNNI build) the int8 projections run W8A8.
 // keys / values: per layer [B, H_kv, cap, D] contiguous buffers holding `used` columns; the chunk's C columns
 // are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
 torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& params,
                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t used,
                      torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-                     double eps, double scaling) {
+                     double eps, double scaling, bool w8a8) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "lean layers: h must be [M, E] float32");
+  TORCH_CHECK(!w8a8 || kW8A8, "lean layers: W8A8 needs the VNNI build");
   TORCH_CHECK(allowed.dim() == 3 && allowed.scalar_type() == torch::kBool, "lean layers: allowed must be [B, C, T]");
   TORCH_CHECK(params.size() == keys.size() && keys.size() == values.size(), "lean layers: one cache per layer");
   const int64_t B = allowed.size(0), C = allowed.size(1), T = allowed.size(2), M = h.size(0), E = h.size(1);
@@ -160,9 +175,9 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
                 "lean layers: layer ", l, ": bad K/V buffer");
     const int64_t cap = kb.size(2);
     rms_norm(x.data_ptr<float>(), p[kLn1].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
-    auto q = project(normed, p, kQ).contiguous();  // [M, H*D]
-    auto k = project(normed, p, kK).contiguous();  // [M, H_kv*D]
-    auto v = project(normed, p, kV).contiguous();  // [M, H_kv*D]
+    auto q = project(normed, p, kQ, w8a8).contiguous();  // [M, H*D]
+    auto k = project(normed, p, kK, w8a8).contiguous();  // [M, H_kv*D]
+    auto v = project(normed, p, kV, w8a8).contiguous();  // [M, H_kv*D]
     if (p[kQn].numel()) {
       rms_norm(q.data_ptr<float>(), p[kQn].data_ptr<float>(), q.data_ptr<float>(), M * heads, D, eps);
       rms_norm(k.data_ptr<float>(), p[kKn].data_ptr<float>(), k.data_ptr<float>(), M * kv_heads, D, eps);
@@ -181,14 +196,14 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
     }
     attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads,
            kv_heads, D, static_cast<float>(scaling));
-    x.add_(project(attn, p, kO));
+    x.add_(project(attn, p, kO, w8a8));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
     if (p[kUp].numel()) {
-      gate = project(normed, p, kGate);
-      up = project(normed, p, kUp);
+      gate = project(normed, p, kGate, w8a8);
+      up = project(normed, p, kUp, w8a8);
     } else {
-      auto both = project(normed, p, kGate);  // [M, 2I]
+      auto both = project(normed, p, kGate, w8a8);  // [M, 2I]
       const int64_t I = both.size(1) / 2;
       gate = both.narrow(1, 0, I);
       up = both.narrow(1, I, I);
@@ -201,7 +216,7 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
       float* a = act.data_ptr<float>() + m * I;
       for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
-    x.add_(project(act, p, kDown));
+    x.add_(project(act, p, kDown, w8a8));
   }
   return x;
 }
@@ -209,4 +224,8 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layers", &layers, "Llama-family decoder layers of a draft over a short chunk (int8 or float weights)");
   m.def("isa", []() { return std::string(V::kName); });
+  m.def("w8a8", []() { return kW8A8; }, "whether this build can run the int8 projections as W8A8");
+#ifdef __AVX512VNNI__
+  m.def("w8a8_linear", &hf_accel::w8a8::w8a8_linear, "W8A8 linear (a wide chunk's LM head)");
+#endif
 }
