@@ -731,6 +731,10 @@ def test_draft_lookup_option_is_checked():
         DraftModel(tiny_model("llama"), lookup="yes")
     with pytest.raises(IncompatibleOptionsError, match=r"^SelfSpeculative.lookup must be True or False, got 1$"):
         SelfSpeculative("int8", lookup=1)
+    assert repr(SelfSpeculative("int8", lookup=False)) == (
+        "SelfSpeculative(weights='int8', num_tokens=6, adaptive=True, lookup=False)"
+    )
+    assert "lookup" not in repr(SelfSpeculative("int8"))
 
 
 @pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")

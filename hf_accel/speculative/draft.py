@@ -98,10 +98,12 @@ class DraftModel(Strategy):
             for model drafts: after a pause the draft must catch up on every token it missed, which makes the
             first step after a pause look slow and re-triggers the pause (measured: int8 self-speculation on
             chat prompts fell from 1.3-1.8x to 0.86x with it on); their per-row adaptive ``k`` pauses instead.
-        lookup: check prompt-lookup guesses with the draft: each draft forward also feeds the tokens that copying
-            from the text predicts next, and the draft's own tokens follow them for as long as they agree, so one
-            forward drafts several tokens where the text is being copied. The proposals are the ones token-by-token
-            drafting makes (the draft's numerics aside); only the number of draft forwards changes.
+        lookup: check prompt-lookup guesses with the draft while it drafts for a single row: each draft forward also
+            feeds the tokens that copying from the text predicts next, and the draft's own tokens follow them for as
+            long as they agree, so one forward drafts several tokens where the text is being copied. The proposals
+            are the ones token-by-token drafting makes (the draft's numerics aside); only the number of draft
+            forwards changes. (Rows of a batch share every draft forward, and there the checks cost more than they
+            saved: see ``docs/speculative.md``.)
 
     Raises:
         IncompatibleOptionsError: (at the call) a different vocabulary size or another device.
@@ -274,7 +276,10 @@ class DraftModel(Strategy):
         self._guess_len = [self._guess_len[i] for i in keep]
 
     def __repr__(self) -> str:
-        return f"DraftModel({type(self.draft).__name__}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive})"
+        return (
+            f"DraftModel({type(self.draft).__name__}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive}"
+            f"{'' if self.lookup else ', lookup=False'})"
+        )
 
 
 class _GatedMLP(nn.Module):
@@ -510,5 +515,5 @@ class SelfSpeculative(DraftModel):
         kept = "" if self.layers is None else f", layers={list(self.layers)}"
         return (
             f"SelfSpeculative(weights={self.weights!r}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive}"
-            f"{kept})"
+            f"{kept}{'' if self.lookup else ', lookup=False'})"
         )
