@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ from .core import (
 )
 from .kernel import native_kernel, w8a8_kernel
 
-__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "define_int8_op"]
+__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "define_int8_op", "w8a8_fits"]
 
 #: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8); the same
 #: choices as ``Int8Config.activations``.
@@ -48,6 +50,12 @@ def define_int8_op():
     ``Int8Linear`` with a kernel is built, never at import."""
     schema = "(Tensor x, Tensor qweight, Tensor scale, bool w8a8) -> Tensor"
     return define_op("int8_linear", schema, _run_kernel, _int8_linear_fake, dispatch="CPU")
+
+
+def w8a8_fits(qweight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether int8 weights ``qweight [N, K]`` with scales ``scale [N, G]`` can run W8A8: one scale per row and
+    ``K % ACT_BLOCK == 0`` (what :func:`check_w8a8` requires of a layer)."""
+    return scale.shape[1] == 1 and qweight.shape[1] % ACT_BLOCK == 0
 
 
 def check_w8a8(in_features: int, group_size: int | None) -> None:
@@ -140,13 +148,25 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel(
+        self, x: torch.Tensor, w8a8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """This layer's native CPU kernel on ``x [..., K]`` float32 whatever the row count (``forward`` takes it
         for up to ``DECODE_MAX_ROWS`` rows, or always with W8A8). Only where :meth:`kernel_path` can say
-        ``"native"`` or ``"w8a8"``: a CPU kernel exists and ``x`` is float32 on the CPU."""
+        ``"native"`` or ``"w8a8"``: a CPU kernel exists and ``x`` is float32 on the CPU.
+
+        Args:
+            x: the input.
+            w8a8: a W8A8 kernel ``(x [M, K], qweight, scale) -> [M, N]`` to run instead on this layer's int8 weights
+                (only where :func:`w8a8_fits` them), e.g. the one compiled into the draft's native layers.
+        """
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         # buffers read from the dict (nn.Module.__getattr__ costs ~0.7 us each)
-        y = _run_kernel(flat, self._buffers["qweight"], self._buffers["scale"], self._cpu_kernel == "w8a8")  # [M, N]
+        qweight, scale = self._buffers["qweight"], self._buffers["scale"]
+        if w8a8 is not None:
+            y = w8a8(flat, qweight, scale)  # [M, N]
+        else:
+            y = _run_kernel(flat, qweight, scale, self._cpu_kernel == "w8a8")  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

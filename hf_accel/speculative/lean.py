@@ -33,11 +33,14 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .._ext import load_extension
+from ..quant.linear import w8a8_fits
 from .growing import GrowingLayer
 
 __all__ = ["LeanStep", "NativeLayers", "native_module"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "lean_layers.cpp"
+#: the native layers' builds, widest first: (instruction set, extension name, int8 group size multiple it needs)
+_BUILDS = (("avx512vnni", "lean_layers_vnni", 16), ("avx512", "lean_layers_avx512", 16), ("avx2", "lean_layers", 8))
 
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
@@ -76,16 +79,11 @@ def native_module(groups: set[int], isa: str | None = None) -> ModuleType | None
         isa: ``"avx512vnni"`` (AVX-512 + VNNI: can also run W8A8), ``"avx512"`` or ``"avx2"`` for that build only;
             ``None``: the widest that fits.
     """
-    if isa in (None, "avx512vnni") and all(g % 16 == 0 for g in groups):
-        module = load_extension("lean_layers_vnni", _SOURCE, "avx512vnni")
-        if module is not None or isa == "avx512vnni":
-            return module
-    if isa in (None, "avx512") and all(g % 16 == 0 for g in groups):
-        module = load_extension("lean_layers_avx512", _SOURCE, "avx512")
-        if module is not None or isa == "avx512":
-            return module
-    if isa in (None, "avx2") and all(g % 8 == 0 for g in groups):
-        return load_extension("lean_layers", _SOURCE, "avx2")
+    for build, name, lanes in _BUILDS:
+        if isa in (None, build) and all(g % lanes == 0 for g in groups):
+            module = load_extension(name, _SOURCE, build)
+            if module is not None or isa == build:
+                return module
     return None
 
 
@@ -93,23 +91,22 @@ def _head(head: nn.Module, h: torch.Tensor, w8a8: ModuleType | None) -> torch.Te
     """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
     W8A8 through ``w8a8`` (the native layers' VNNI build) where the layers ran so."""
-    from ..quant import Int8Linear
-
     if not (
-        isinstance(head, Int8Linear)
-        and head.activations == "float"
-        and head._cpu_kernel == "native"
+        _weight_only_native(head)
         and h.is_cpu
         and h.dtype == torch.float32
         and h.shape[0] * h.shape[1] <= _HEAD_KERNEL_ROWS
     ):
         return head(h)
-    if w8a8 is None or head.scale.shape[1] != 1 or head.in_features % 64:
-        return head.kernel(h)
-    y = w8a8.w8a8_linear(h.reshape(-1, head.in_features).contiguous(), head.qweight, head.scale)  # [B*C, V]
-    if head.bias is not None:
-        y = y + head.bias
-    return y.view(*h.shape[:-1], head.out_features)
+    fits = w8a8 is not None and w8a8_fits(head.qweight, head.scale)
+    return head.kernel(h, w8a8.w8a8_linear if fits else None)  # [B, C, V]
+
+
+def _weight_only_native(module: Any) -> bool:
+    """Whether ``module`` is a weight-only ``Int8Linear`` with a native CPU kernel."""
+    from ..quant import Int8Linear
+
+    return isinstance(module, Int8Linear) and module.activations == "float" and module._cpu_kernel == "native"
 
 
 def _absent() -> torch.Tensor:
@@ -119,13 +116,11 @@ def _absent() -> torch.Tensor:
 def _projection(module: Any, groups: set[int]) -> list[torch.Tensor] | None:
     """``[weight, int8 scales or empty, bias or empty]`` of a float32 ``nn.Linear`` or a weight-only
     ``Int8Linear`` with a native kernel (its group size added to ``groups``); ``None`` for anything else."""
-    from ..quant import Int8Linear
-
     bias = getattr(module, "bias", None)
     bias = _absent() if bias is None else bias.detach()
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and bias.dtype == torch.float32:
         return [module.weight.detach(), _absent(), bias]
-    if isinstance(module, Int8Linear) and module.activations == "float" and module._cpu_kernel == "native":
+    if _weight_only_native(module):
         if bias.numel() and bias.dtype != torch.float32:
             return None
         qweight, scale = module.qweight, module.scale  # [N, K] int8, [N, G] float32
@@ -170,7 +165,7 @@ class NativeLayers:
         self.heads, self.kv_heads, self.head_dim = kv
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
         #: the int8 projections can run W8A8 (VNNI build, one scale per weight row, in_features % 64 == 0)
-        self.w8a8 = bool(int8) and module.w8a8() and all(s.shape[1] == 1 and w.shape[1] % 64 == 0 for w, s in int8)
+        self.w8a8 = bool(int8) and module.w8a8() and all(w8a8_fits(w, s) for w, s in int8)
 
     @staticmethod
     def build(step: LeanStep) -> NativeLayers | None:
