@@ -343,6 +343,37 @@ def test_unpatch_restores_attention_and_plain_generate_is_untouched():
     assert patched.config._attn_implementation == "eager"
 
 
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_plain_generate_of_an_sdpa_model_skips_the_grouped_kv_copies(monkeypatch, cache_implementation):
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from hf_accel.paged.gqa import GQA_ATTENTION
+
+    plain, patched = _pair("llama")  # sdpa, 4 query heads sharing 2 K/V heads
+    assert plain.config._attn_implementation == "sdpa" and plain.config.num_key_value_heads == 2
+    copies, seen = [], []
+    repeat_kv = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: copies.append(h.shape) or repeat_kv(h, n))
+
+    class Spy:  # a logits processor that records the attention implementation in use during the call
+        def __call__(self, ids, scores):
+            seen.append(patched.config._attn_implementation)
+            return scores
+
+    ids, mask = random_batch(3, [4, 9, 2], seed=8)  # left padding: the prompt is a masked multi-query chunk
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    kwargs.update(cache_implementation=cache_implementation)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert copies  # Transformers' own sdpa copies the grouped K/V for the padded prompt
+    copies.clear()
+    got = patched.generate(input_ids=ids, attention_mask=mask, logits_processor=[Spy()], **kwargs)
+    assert seen == [GQA_ATTENTION] * 6 and copies == []
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (a, b) in enumerate(zip(got.scores, expected.scores, strict=True)):
+        assert torch.equal(a, b), f"step {step}: scores differ"  # bitwise: the same SDPA maths without copies
+    assert patched.config._attn_implementation == "hf_accel_paged:sdpa"  # switched back after the call
+
+
 @pytest.mark.parametrize("arch", ARCHS[:1])
 def test_eos_token_in_every_row_ends_generation(arch):
     plain, patched = _pair(arch)

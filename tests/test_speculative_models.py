@@ -225,6 +225,8 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
     step = LeanStep.build(model, native=native)
     assert step is not None
     assert (step.native is not None) == native
+    if native:  # the int8 projections' own maths (W8A16 rounds activations: its own test below)
+        step.native.w8a16 = False
     ids, mask = random_batch(3, [4, 9, 6], seed=5)
     with torch.no_grad():
         ragged = RaggedCache(model, DynamicCache(config=model.config), mask)
@@ -279,6 +281,7 @@ def test_native_lean_layers_avx2_build_matches_the_modules():
     for model in (_lean_draft("qwen2", True), _lean_draft("qwen3", False)):
         native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
         native.native.module = avx2
+        native.native.w8a16 = native.native.w8a8 = False  # what a build without VNNI gets
         ids, mask = random_batch(2, [5, 3], seed=3)
         with torch.no_grad():
             plain = RaggedCache(model, DynamicCache(config=model.config), mask)
@@ -746,7 +749,7 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
 
     model = _lean_draft("llama", True)
     native = LeanStep.build(model)
-    assert native.native.w8a8 and native.native.module.w8a8()
+    assert native.native.w8a8 and native.native.module.vnni()
     w8a8 = copy.deepcopy(model)
     for module in w8a8.modules():
         if isinstance(module, Int8Linear):
@@ -774,9 +777,87 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
             got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, W, V]
     finally:
         NativeLayers.__call__ = original
-    assert calls == [True]
+    assert calls == [lean.W8A8]
     # W8A8 rounds activations to int8 steps, so float-order differences between the two paths can move a value
     # across a rounding boundary: compare at the scale of one quantization step of the logits
     scale = expected[valid].abs().max()
     assert_close(got[valid], expected[valid], atol=float(2e-2 * scale), rtol=0, name="w8a8 logits")
     assert (got[valid].argmax(-1) == expected[valid].argmax(-1)).float().mean() >= 0.9
+
+
+_VNNI = pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
+
+
+@_VNNI
+@pytest.mark.parametrize(
+    ("rows", "features", "outputs"), [(1, 32, 4), (2, 576, 7), (3, 64, 100), (4, 1536, 12), (9, 96, 33)]
+)
+def test_w8a16_kernel_matches_its_reference(rows, features, outputs):
+    """The VNNI build's W8A16 linear against :func:`w8a16_reference` (exact integer dots) and against the float
+    product with the de-quantized weights, within the activations' rounding (half a step of each group)."""
+    from hf_accel.quant.core import dequantize, quantize, quantize_activations16, w8a16_reference
+
+    module = native_module({16}, isa="avx512vnni")
+    gen = torch.Generator().manual_seed(rows * features + outputs)
+    x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)  # uneven groups
+    if features == 32:
+        x[0] = 0.0  # every group of the row is zero: scale 0
+    qw = quantize(torch.randn(outputs, features, generator=gen))
+    got = module.w8a16_linear(x, qw.qweight, qw.scale)  # [M, N]
+    exact = w8a16_reference(x, qw)
+    scale = float(exact.abs().max())
+    assert_close(got, exact.float(), atol=2e-6 * scale, rtol=1e-6, name="w8a16 vs reference")  # fp32 lane sums
+    _, xscale = quantize_activations16(x)  # [M, 16]
+    group = (torch.arange(features) % 32) // 2
+    half_step = xscale[:, group].double() / 2  # [M, K] largest rounding error of each activation
+    bound = half_step @ (qw.qweight.double().abs() * qw.scale.double()).T  # [M, N]
+    error = (got.double() - x.double() @ dequantize(qw).double().T).abs()
+    assert (error <= bound + 2e-6 * scale).all()
+
+
+@_VNNI
+def test_w8a16_kernel_rejects_weights_it_does_not_take():
+    from hf_accel.quant.core import quantize
+
+    module = native_module({16}, isa="avx512vnni")
+    grouped = quantize(torch.randn(8, 64), group_size=32)
+    with pytest.raises(RuntimeError, match="w8a16: needs one scale per weight row and in_features a multiple of 32"):
+        module.w8a16_linear(torch.randn(2, 64), grouped.qweight, grouped.scale)
+    assert module.w8a16_fits(576, 1) and not module.w8a16_fits(48, 1) and not module.w8a16_fits(16384, 1)
+
+
+@_VNNI
+def test_native_lean_steps_of_several_rows_run_w8a16():
+    """Steps and catch-ups of two or more activation rows run the int8 projections and the head as W8A16 (one row
+    stays weight-only): logits within the activations' rounding of the modules' weight-only maths, same argmax."""
+    from hf_accel.speculative import lean
+
+    model = _lean_draft("llama", True)
+    native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
+    assert native.native.w8a16
+    ids, mask = random_batch(2, [5, 3], seed=6)
+    calls: list[int] = []
+    original = NativeLayers.__call__
+
+    def spy(self, *args):
+        calls.append(args[-1])
+        return original(self, *args)
+
+    NativeLayers.__call__ = spy
+    try:
+        with torch.no_grad():
+            plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+            plain.feed(ids, prefix=True, last=1)
+            a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+            b = RaggedCache(model, copy.deepcopy(plain.cache), mask.clone(), modules)
+            for chunk, valid in ((torch.full((2, 1), 9), None), (torch.tensor([[10, 11], [12, 13]]), None)):
+                got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, C, V]
+                # int16 activations: each rounded by at most 2**-16 of its group's largest value
+                assert_close(got, expected, atol=float(2e-4 * expected.abs().max()), rtol=0, name="w8a16 logits")
+                assert torch.equal(got.argmax(-1), expected.argmax(-1))
+            single = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+            single.select([0])
+            single.feed(torch.full((1, 1), 9))
+    finally:
+        NativeLayers.__call__ = original
+    assert calls == [lean.W8A16, lean.W8A16, lean.WEIGHT_ONLY]

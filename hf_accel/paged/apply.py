@@ -16,7 +16,7 @@ from ..errors import IncompatibleOptionsError
 from ..generate import GenerateCall, GenerateKwarg
 from ..recorder import Recorder
 from ..registry import ModelParts
-from .attention import register
+from .attention import register, unpaged_name
 from .cache import PAGED_ATTENTION_PREFIX, PagedCache, uses_paged_attention
 from .runner import run_paged
 
@@ -68,7 +68,8 @@ def _generate_many(model: nn.Module) -> Any:
 
 
 def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
-    """Run ``proceed()`` with the model's original attention implementation.
+    """Run ``proceed()`` on the model's original attention implementation (for ``sdpa``, the same function without
+    its K/V copies for grouped heads: :func:`~.attention.unpaged_name`).
 
     Transformers pre-builds 4D masks for compileable caches (``StaticCache``) while preparing generation
     inputs; through the paged mask function they would come out as ``PagedMask`` objects, which its mask code
@@ -78,7 +79,7 @@ def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
         return proceed()
     config = model.config
     name = config._attn_implementation
-    config._attn_implementation = name.split(":", 1)[1]
+    config._attn_implementation = unpaged_name(name.split(":", 1)[1])
     try:
         return proceed()
     finally:

@@ -34,7 +34,7 @@ from torch import nn
 from .._ext import extension_status, load_extension
 from ..errors import IncompatibleOptionsError
 from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
-from .gqa import gqa_sdpa
+from .gqa import GQA_ATTENTION, gqa_sdpa, register_gqa
 
 __all__ = [
     "DECODE_MAX_QUERY",
@@ -44,6 +44,7 @@ __all__ = [
     "kernel_usable",
     "paged_name",
     "register",
+    "unpaged_name",
 ]
 
 #: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
@@ -181,8 +182,15 @@ def _planned_attention(
     )  # fmt: skip
 
 
+def unpaged_name(base: str) -> str:
+    """The implementation a patched model runs without a ``PagedCache``: :data:`~.gqa.GQA_ATTENTION` for ``sdpa``
+    (registered by :func:`register`), else ``base`` itself."""
+    return GQA_ATTENTION if base == "sdpa" else base
+
+
 def register(base: str) -> str:
-    """Register ``"hf_accel_paged:<base>"`` with Transformers' attention and mask interfaces; returns the name."""
+    """Register ``"hf_accel_paged:<base>"`` with Transformers' attention and mask interfaces (and, for ``sdpa``,
+    :data:`~.gqa.GQA_ATTENTION`, see :func:`unpaged_name`); returns the paged name."""
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
@@ -191,6 +199,8 @@ def register(base: str) -> str:
     name = paged_name(base)
     AttentionInterface.register(name, _make_attention_function(base))
     AttentionMaskInterface.register(name, _make_mask_function(base))
+    if base == "sdpa":
+        register_gqa()
     return name
 
 

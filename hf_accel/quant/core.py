@@ -9,6 +9,10 @@ one of :data:`ACT_LANES` interleaved feature groups: feature ``k`` belongs to gr
 adjacent features of every 64-feature block (the features one int32 lane of AVX-512 VNNI's ``vpdpbusd`` sums,
 so a kernel accumulates each group in integers over the whole row and scales once at the end). The linear
 becomes integer dot products per group (:func:`w8a8_reference` is the exact definition the kernel reproduces).
+
+W8A16 (the speculative draft's native steps on AVX-512 VNNI CPUs) quantizes activations to int16 the same way, per
+row and per interleaved group, with groups of two adjacent features of every 32-feature block (what one int32 lane
+of ``vpdpwssd`` sums): :func:`quantize_activations16`, :func:`w8a16_reference`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "ACT16_BLOCK",
     "ACT_BLOCK",
     "ACT_LANES",
     "QuantError",
@@ -28,13 +33,17 @@ __all__ = [
     "quantization_error",
     "quantize",
     "quantize_activations",
+    "quantize_activations16",
     "w8a8_reference",
+    "w8a16_reference",
 ]
 
 #: W8A8 needs ``in_features`` to be a multiple of this (one 64-byte vector of int8).
 ACT_BLOCK = 64
 #: Activation scales per row in W8A8: group ``l`` holds features ``k`` with ``(k % ACT_BLOCK) // 4 == l``.
 ACT_LANES = 16
+#: W8A16: features per block of int16 activations (two per group and block)
+ACT16_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -108,11 +117,11 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
 
 
-def _lane_view(x: torch.Tensor) -> torch.Tensor:
-    """``[M, K]`` -> ``[M, K / 64, 16, 4]``: dims 1 and 3 of the view run over one activation group."""
-    if x.dim() != 2 or x.shape[1] % ACT_BLOCK:
-        raise ValueError(f"W8A8 activations must be [M, K] with K a multiple of {ACT_BLOCK}, got {tuple(x.shape)}")
-    return x.reshape(x.shape[0], x.shape[1] // ACT_BLOCK, ACT_LANES, ACT_BLOCK // ACT_LANES)
+def _lane_view(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """``[M, K]`` -> ``[M, K / block, 16, block / 16]``: dims 1 and 3 of the view run over one activation group."""
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"quantized activations must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], x.shape[1] // block, ACT_LANES, block // ACT_LANES)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +164,45 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     xq, xscale = quantize_activations(x)
     xg = _lane_view(xq).double()  # [M, B, 16, 4]
     wg = _lane_view(qw.qweight).double()  # [N, B, 16, 4]
+    dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
+    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
+
+
+def quantize_activations16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int16 per row and per interleaved group of features (group ``(k % 32) // 2``; module docstring).
+
+    Args:
+        x: ``[M, K]`` float with ``K % ACT16_BLOCK == 0``.
+
+    Returns:
+        ``xq [M, K]`` int16 in ``[-32767, 32767]`` and ``scale [M, ACT_LANES]`` float32 (``max|x_group| / 32767``;
+        0 for an all-zero group).
+
+    Raises:
+        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT16_BLOCK`.
+    """
+    groups = _lane_view(x.float(), ACT16_BLOCK)  # [M, B, 16, 2]
+    scale = groups.abs().amax(dim=(1, 3)) / 32767.0  # [M, 16]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]
+    xq = torch.round(groups / safe).clamp_(-32767, 32767)
+    return xq.to(torch.int16).reshape(x.shape), scale
+
+
+def w8a16_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The W8A16 linear, exactly: ``sum_l xscale[m, l] * (xq[m, group l] . q[n, group l]) * wscale[n]`` in float64.
+
+    Args:
+        x: ``[M, K]`` float activations.
+        qw: a weight with one scale per row.
+
+    Returns:
+        ``[M, N]`` float64 (exact integer dots; the kernel's float32 sums approach this).
+    """
+    if qw.scale.shape[1] != 1:
+        raise ValueError(f"W8A16 needs one weight scale per row, got group_size {qw.group_size}")
+    xq, xscale = quantize_activations16(x)
+    xg = _lane_view(xq, ACT16_BLOCK).double()  # [M, B, 16, 2]
+    wg = _lane_view(qw.qweight, ACT16_BLOCK).double()  # [N, B, 16, 2]
     dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
     return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
 

@@ -149,7 +149,7 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel(
-        self, x: torch.Tensor, w8a8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self, x: torch.Tensor, vnni: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     ) -> torch.Tensor:
         """This layer's native CPU kernel on ``x [..., K]`` float32 whatever the row count (``forward`` takes it
         for up to ``DECODE_MAX_ROWS`` rows, or always with W8A8). Only where :meth:`kernel_path` can say
@@ -157,14 +157,15 @@ class Int8Linear(nn.Module):
 
         Args:
             x: the input.
-            w8a8: a W8A8 kernel ``(x [M, K], qweight, scale) -> [M, N]`` to run instead on this layer's int8 weights
-                (only where :func:`w8a8_fits` them), e.g. the one compiled into the draft's native layers.
+            vnni: a kernel with quantized activations ``(x [M, K], qweight, scale) -> [M, N]`` to run instead on this
+                layer's int8 weights (one that suits them: e.g. the W8A8 or W8A16 kernel compiled into the draft's
+                native layers, where their own checks accept the weights).
         """
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         # buffers read from the dict (nn.Module.__getattr__ costs ~0.7 us each)
         qweight, scale = self._buffers["qweight"], self._buffers["scale"]
-        if w8a8 is not None:
-            y = w8a8(flat, qweight, scale)  # [M, N]
+        if vnni is not None:
+            y = vnni(flat, qweight, scale)  # [M, N]
         else:
             y = _run_kernel(flat, qweight, scale, self._cpu_kernel == "w8a8")  # [M, N]
         if self.bias is not None:

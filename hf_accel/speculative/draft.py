@@ -478,6 +478,8 @@ class SelfSpeculative(DraftModel):
             IncompatibleOptionsError: offloaded / sharded weights, or a layer index the model does not have.
         """
         from ..dispatch import is_offloaded, is_sharded
+        from ..paged.attention import unpaged_name
+        from ..paged.cache import PAGED_ATTENTION_PREFIX
         from ..patch import _STATE_ATTR
 
         if is_offloaded(target) or any(is_sharded(p) for p in target.parameters()):
@@ -489,8 +491,8 @@ class SelfSpeculative(DraftModel):
         for attr in ("generate", _STATE_ATTR):  # the copy is a plain model, not a patched one
             draft.__dict__.pop(attr, None)
         impl = getattr(draft.config, "_attn_implementation", None) or ""
-        if impl.startswith("hf_accel_paged:"):
-            draft.config._attn_implementation = impl.split(":", 1)[1]
+        if impl.startswith(PAGED_ATTENTION_PREFIX):  # the copy runs Transformers' caches only
+            draft.config._attn_implementation = unpaged_name(impl.split(":", 1)[1])
         from ..fused.packed import unpack_linears
 
         unpack_linears(draft)  # pre-packed weights (compile feature) back to plain linears before re-typing

@@ -23,6 +23,7 @@ modules as below.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -49,9 +50,17 @@ _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: row, against ~80 ms to de-quantize the weight for a GEMM)
 _HEAD_KERNEL_ROWS = 128
 #: From this chunk width (a draft's prompt-lookup guess check) a native int8 draft chunk runs W8A8 where it can (VNNI
-#: build): integer dot products beat converting every weight once per row there. Steps and catch-ups (1-3 wide) keep
-#: the weight-only kernel, closer to the int8 weights' own maths (one-off timings in docs/speculative.md)
+#: build): int8 activations halve W8A16's integer work again there. Narrower chunks (steps, catch-ups) run W8A16, whose
+#: int16 activations keep the int8 weights' own accuracy (a fully W8A8 draft accepted measurably less; one-off timings
+#: in docs/speculative.md)
 W8A8_MIN_WIDTH = 6
+#: From this many activation rows (batch x chunk width) the int8 projections run W8A16 where they can (VNNI build):
+#: one row streams the weights at memory speed either way, and the weight-only kernel skips quantizing it (one-off,
+#: SmolLM2's 30 layers with distinct int8 weights, ms at 1 / 2 / 4 rows: weight-only 4.4 / 6.8 / 7.4, W8A16
+#: 4.8 / 4.9 / 6.4; the head 0.68 / 1.37 / 1.41 against 0.83 / 0.74 / 0.83)
+W8A16_MIN_ROWS = 2
+#: How the native layers run the int8 projections (``csrc/lean_layers.cpp``'s ``Mode``)
+WEIGHT_ONLY, W8A16, W8A8 = 0, 1, 2
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -87,10 +96,11 @@ def native_module(groups: set[int], isa: str | None = None) -> ModuleType | None
     return None
 
 
-def _head(head: nn.Module, h: torch.Tensor, w8a8: ModuleType | None) -> torch.Tensor:
+def _head(head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
-    W8A8 through ``w8a8`` (the native layers' VNNI build) where the layers ran so."""
+    ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' VNNI build, as the layers ran) where its
+    weight suits it."""
     if not (
         _weight_only_native(head)
         and h.is_cpu
@@ -98,8 +108,7 @@ def _head(head: nn.Module, h: torch.Tensor, w8a8: ModuleType | None) -> torch.Te
         and h.shape[0] * h.shape[1] <= _HEAD_KERNEL_ROWS
     ):
         return head(h)
-    fits = w8a8 is not None and w8a8_fits(head.qweight, head.scale)
-    return head.kernel(h, w8a8.w8a8_linear if fits else None)  # [B, C, V]
+    return head.kernel(h, kernel)  # [B, C, V]
 
 
 def _weight_only_native(module: Any) -> bool:
@@ -164,8 +173,30 @@ class NativeLayers:
         self.module, self.params, self.eps, self.scaling = module, params, eps, scaling
         self.heads, self.kv_heads, self.head_dim = kv
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
-        #: the int8 projections can run W8A8 (VNNI build, one scale per weight row, in_features % 64 == 0)
-        self.w8a8 = bool(int8) and module.w8a8() and all(w8a8_fits(w, s) for w, s in int8)
+        #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
+        #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
+        self.w8a16 = bool(int8) and module.vnni()
+        self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
+
+    def mode(self, rows: int, width: int) -> int:
+        """How a chunk of ``rows`` activation rows (batch x width), ``width`` tokens wide, runs the int8
+        projections: ``W8A8`` from ``W8A8_MIN_WIDTH`` tokens where possible, else ``W8A16`` from
+        ``W8A16_MIN_ROWS`` rows where possible, else ``WEIGHT_ONLY``."""
+        if self.w8a8 and width >= W8A8_MIN_WIDTH:
+            return W8A8
+        return W8A16 if self.w8a16 and rows >= W8A16_MIN_ROWS else WEIGHT_ONLY
+
+    def head_kernel(self, mode: int, head: nn.Module, rows: int) -> Callable[..., torch.Tensor] | None:
+        """The VNNI kernel the int8 ``head`` runs with on ``rows`` rows for a chunk whose layers ran ``mode``
+        (``None``: the weight-only kernel)."""
+        if mode == WEIGHT_ONLY or not _weight_only_native(head):
+            return None
+        weight, scale = head.qweight, head.scale
+        if mode == W8A8 and w8a8_fits(weight, scale):
+            return self.module.w8a8_linear
+        if rows >= W8A16_MIN_ROWS and self.module.w8a16_fits(weight.shape[1], scale.shape[1]):
+            return self.module.w8a16_linear
+        return None
 
     @staticmethod
     def build(step: LeanStep) -> NativeLayers | None:
@@ -214,11 +245,11 @@ class NativeLayers:
         )
 
     def __call__(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, w8a8: bool
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, mode: int
     ) -> torch.Tensor:
-        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``w8a8``: the
-        int8 projections run W8A8 (only where :attr:`w8a8`). Appends the chunk's K/V to ``cache``; returns
-        ``[B, C, E]``."""
+        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``mode``: how the
+        int8 projections run (``WEIGHT_ONLY``, or ``W8A16`` / ``W8A8`` where :attr:`w8a16` / :attr:`w8a8`).
+        Appends the chunk's K/V to ``cache``; returns ``[B, C, E]``."""
         batch, width, hidden = h.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         reserved = [layer.reserve(batch, kv_heads, width, dim, h.dtype, h.device) for layer in cache.layers]
@@ -236,7 +267,7 @@ class NativeLayers:
             kv_heads,
             self.eps,
             self.scaling,
-            w8a8,
+            mode,
         )  # [B*C, E]
         for layer in cache.layers:
             layer.commit(used + width)
@@ -316,16 +347,17 @@ class LeanStep:
         if width > 1:  # ... up to its own column
             causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
             allowed = allowed & causal
-        w8a8 = None
+        mode = None
         if self.native is not None and self.native.serves(cache):
             allowed = allowed[:, 0].expand(batch, width, total)  # [B, C, T]
-            w8a8 = self.native.module if self.native.w8a8 and width >= W8A8_MIN_WIDTH else None
-            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, w8a8 is not None)
+            mode = self.native.mode(batch * width, width)
+            h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, mode)
         else:
             h = self._layers(h, cos, sin, allowed, cache)
         if last:
             h = h[:, -last:]
-        return _head(self.head, _rms_norm(self.norm, h), w8a8)  # [B, C or last, V]
+        kernel = None if mode is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
+        return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C or last, V]
 
     def _layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any

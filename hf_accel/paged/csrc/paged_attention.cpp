@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "avx2_common.h"
+#include "vexp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,6 +24,7 @@ namespace {
 constexpr int64_t kMinBlocksPerSplit = 4;  // below this a split costs more to merge than it saves
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+using hf_accel::exp8;
 using hf_accel::hsum;
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -50,26 +52,6 @@ inline void scale_inplace(float* y, float a, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(av, _mm256_loadu_ps(y + i)));
   for (; i < n; ++i) y[i] *= a;
-}
-
-// exp(x) for 8 floats, x <= 0 here (scores minus their running max); -inf gives exactly 0.
-// Range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial: ~1 ulp over the range.
-inline __m256 exp8(__m256 x) {
-  const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 // p[0..n) = exp(s[i] - m); returns their sum. `s` has room for a multiple of 8 (tail padded with -inf).

@@ -8,20 +8,25 @@
 // Same maths as the layers' modules in fp32; only the rounding order differs.
 //
 // Compiled three times (lean_layers / lean_layers_avx512 / lean_layers_vnni): int8 weights use the widest
-// weight-only int8 kernel of the build; the VNNI build can also run them as W8A8 (activations quantized per row,
-// integer dot products: hf_accel/csrc/w8a8_impl.h), which pays for chunks of many rows (a draft's guess checks).
+// weight-only int8 kernel of the build; the VNNI build can also run them with quantized activations and integer
+// dot products: W8A16 (hf_accel/csrc/w8a16_impl.h: int16 activations, for steps and catch-ups, where the
+// weight-only kernel's conversions and FMAs rather than the weight bytes set the pace) or W8A8
+// (hf_accel/csrc/w8a8_impl.h: int8 activations, cheaper still, for chunks of many rows: a draft's guess checks).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <limits>
 #include <vector>
 #include "int8_traits.h"
+#include "vexp.h"
 #include "int8_gemm_impl.h"
 #ifdef __AVX512VNNI__
+#include "w8a16_impl.h"
 #include "w8a8_impl.h"
-constexpr bool kW8A8 = true;
+constexpr bool kVnni = true;
 #else
-constexpr bool kW8A8 = false;
+constexpr bool kVnni = false;
 #endif
 
 namespace {
@@ -43,16 +48,21 @@ enum Param : size_t {
   kParams
 };
 
-// x [M, K] -> [M, N]: int8 weight (with scales) through the int8 kernel (W8A8 with `w8a8`: row scales, K % 64 == 0,
-// VNNI build only), else at::linear; plus bias.
-torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, size_t w, bool w8a8) {
+// How the int8 projections run: weight-only, or with quantized activations (VNNI build only).
+enum Mode : int64_t { kWeightOnly = 0, kW8A16 = 1, kW8A8 = 2 };
+
+// x [M, K] -> [M, N]: int8 weight (with scales) through the int8 kernel of `mode` (W8A8: row scales, K % 64 == 0, as
+// checked by the caller; W8A16 where hf_accel::w8a16::fits, else weight-only), else at::linear; plus bias.
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, size_t w, int64_t mode) {
   const torch::Tensor& weight = p[w];
   const torch::Tensor& scale = p[w + 1];
   const torch::Tensor& bias = p[w + 2];
   if (weight.scalar_type() != torch::kChar) return at::linear(x, weight, bias.numel() ? bias : torch::Tensor());
   torch::Tensor y;
 #ifdef __AVX512VNNI__
-  if (w8a8) y = hf_accel::w8a8::w8a8_linear(x, weight, scale);
+  if (mode == kW8A8) y = hf_accel::w8a8::w8a8_linear(x, weight, scale);
+  if (mode == kW8A16 && hf_accel::w8a16::fits(weight.size(1), scale.size(1)))
+    y = hf_accel::w8a16::w8a16_linear(x, weight, scale);
 #endif
   if (!y.defined()) y = hf_accel::int8_linear<V>(x, weight, scale);
   if (bias.numel()) y.add_(bias);
@@ -97,63 +107,131 @@ float dot(const float* a, const float* b, int64_t D) {
   return V::sum(acc);
 }
 
-void axpy(float p, const float* x, float* y, int64_t D) {  // y += p * x
-  if (D % V::kLanes) {
-    for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
-    return;
+#ifdef __AVX512F__
+inline V::F vexp(V::F x) { return hf_accel::exp16(x); }
+inline V::F vmax(V::F a, V::F b) { return _mm512_max_ps(a, b); }
+inline V::F vadd(V::F a, V::F b) { return _mm512_add_ps(a, b); }
+inline V::F vsub(V::F a, V::F b) { return _mm512_sub_ps(a, b); }
+inline V::F vmul(V::F a, V::F b) { return _mm512_mul_ps(a, b); }
+inline float hmax(V::F v) { return _mm512_reduce_max_ps(v); }
+// out[0..4) = the lane sums of a, b, c, d
+inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
+  auto half = [](__m512 v) {  // 16 -> 8 lanes
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#else
+inline V::F vexp(V::F x) { return hf_accel::exp8(x); }
+inline V::F vmax(V::F a, V::F b) { return _mm256_max_ps(a, b); }
+inline V::F vadd(V::F a, V::F b) { return _mm256_add_ps(a, b); }
+inline V::F vsub(V::F a, V::F b) { return _mm256_sub_ps(a, b); }
+inline V::F vmul(V::F a, V::F b) { return _mm256_mul_ps(a, b); }
+inline float hmax(V::F v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// s[t] = scaling * (q . K[t]) where allow[t], else -inf, for t in [0, T); four keys at a time share one reduction.
+void scores(const float* q, const float* K, const bool* allow, float* s, int64_t T, int64_t D, float scaling) {
+  int64_t t = 0;
+  if (D % V::kLanes == 0) {
+    for (; t + 4 <= T; t += 4) {
+      typename V::F acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+      for (int64_t d = 0; d < D; d += V::kLanes) {
+        const typename V::F qv = V::load(q + d);
+        for (int j = 0; j < 4; ++j) acc[j] = V::fma(qv, V::load(K + (t + j) * D + d), acc[j]);
+      }
+      float out[4];
+      sum4(acc[0], acc[1], acc[2], acc[3], out);
+      for (int j = 0; j < 4; ++j) s[t + j] = allow[t + j] ? out[j] * scaling : kNegInf;
+    }
   }
-  const typename V::F pv = V::set1(p);
-  for (int64_t d = 0; d < D; d += V::kLanes) V::store(y + d, V::fma(pv, V::load(x + d), V::load(y + d)));
+  for (; t < T; ++t) s[t] = allow[t] ? dot(q, K + t * D, D) * scaling : kNegInf;
 }
 
-// Attention of each query (row b, column c, head h) over its row's allowed cache columns.
+// o[0..D) = sum_t p[t] * Vv[t] * inv over t in [0, T), the output held in registers 4 vectors at a time.
+void weighted_values(const float* p, const float* Vv, float* o, int64_t T, int64_t D, float inv) {
+  if (D % V::kLanes) {
+    std::fill(o, o + D, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * Vv[t * D + d];
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 4 * V::kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(4, (D - d0) / V::kLanes));
+    typename V::F acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
+    for (int64_t t = 0; t < T; ++t) {
+      if (p[t] == 0.f) continue;  // masked (or negligible) keys
+      const typename V::F pv = V::set1(p[t]);
+      for (int j = 0; j < n; ++j) acc[j] = V::fma(pv, V::load(Vv + t * D + d0 + j * V::kLanes), acc[j]);
+    }
+    const typename V::F iv = V::set1(inv);
+    for (int j = 0; j < n; ++j) V::store(o + d0 + j * V::kLanes, vmul(acc[j], iv));
+  }
+}
+
+// Attention of each query (row b, column c, head h) over its row's allowed cache columns: scores four keys at a
+// time, a vectorised softmax, the weighted values accumulated in registers (K/V of a head group stay in L1/L2 for
+// its query heads).
 // q [B*C, H*D]; keys / values [B, H_kv, cap, D]; allowed [B, C, T]; out [B*C, H*D].
 void attend(const float* q, const float* keys, const float* values, const bool* allowed, float* out, int64_t B,
             int64_t C, int64_t T, int64_t cap, int64_t H, int64_t Hkv, int64_t D, float scaling) {
   const int64_t groups = H / Hkv;
+  const int64_t padded = (T + V::kLanes - 1) / V::kLanes * V::kLanes;
   at::parallel_for(0, B * H * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> score(T);
+    std::vector<float> score(padded, kNegInf);  // tail stays -inf: exp gives 0 there
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * C), h = (item / C) % H, c = item % C;
       const int64_t row = b * C + c;
-      const float* qv = q + (row * H + h) * D;
       const float* K = keys + (b * Hkv + h / groups) * cap * D;
       const float* Vv = values + (b * Hkv + h / groups) * cap * D;
-      const bool* allow = allowed + row * T;
       float* o = out + (row * H + h) * D;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < T; ++t)
-        if (allow[t]) {
-          score[t] = dot(qv, K + t * D, D) * scaling;
-          top = std::max(top, score[t]);
-        }
-      std::fill(o, o + D, 0.f);
-      if (top == -std::numeric_limits<float>::infinity()) continue;  // a hole with nothing to see: zeros
-      float total = 0.f;
-      for (int64_t t = 0; t < T; ++t)
-        if (allow[t]) {
-          const float p = std::exp(score[t] - top);
-          total += p;
-          axpy(p, Vv + t * D, o, D);
-        }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      float* s = score.data();
+      scores(q + (row * H + h) * D, K, allowed + row * T, s, T, D, scaling);
+      typename V::F top = V::set1(kNegInf);
+      for (int64_t t = 0; t < padded; t += V::kLanes) top = vmax(top, V::load(s + t));
+      const float m = hmax(top);
+      if (m == kNegInf) {  // a hole with nothing to see: zeros
+        std::fill(o, o + D, 0.f);
+        continue;
+      }
+      const typename V::F mv = V::set1(m);
+      typename V::F total = V::zero();
+      for (int64_t t = 0; t < padded; t += V::kLanes) {  // s becomes the unnormalised weights
+        const typename V::F e = vexp(vsub(V::load(s + t), mv));
+        V::store(s + t, e);
+        total = vadd(total, e);
+      }
+      weighted_values(s, Vv, o, T, D, 1.f / V::sum(total));
+      std::fill(s + T, s + padded, kNegInf);  // the exp pass made the -inf tail zeros: restore it
     }
   });
 }
 
 }  // namespace
 
-// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. With `w8a8`
-// (VNNI build) the int8 projections run W8A8.
+// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
+// int8 projections run (Mode; other than weight-only in the VNNI build only).
 // keys / values: per layer [B, H_kv, cap, D] contiguous buffers holding `used` columns; the chunk's C columns
 // are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
 torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& params,
                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t used,
                      torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-                     double eps, double scaling, bool w8a8) {
+                     double eps, double scaling, int64_t mode) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "lean layers: h must be [M, E] float32");
-  TORCH_CHECK(!w8a8 || kW8A8, "lean layers: W8A8 needs the VNNI build");
+  TORCH_CHECK(mode == kWeightOnly || (kVnni && (mode == kW8A16 || mode == kW8A8)),
+              "lean layers: mode ", mode, " is not available in this build");
   TORCH_CHECK(allowed.dim() == 3 && allowed.scalar_type() == torch::kBool, "lean layers: allowed must be [B, C, T]");
   TORCH_CHECK(params.size() == keys.size() && keys.size() == values.size(), "lean layers: one cache per layer");
   const int64_t B = allowed.size(0), C = allowed.size(1), T = allowed.size(2), M = h.size(0), E = h.size(1);
@@ -175,9 +253,9 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
                 "lean layers: layer ", l, ": bad K/V buffer");
     const int64_t cap = kb.size(2);
     rms_norm(x.data_ptr<float>(), p[kLn1].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
-    auto q = project(normed, p, kQ, w8a8).contiguous();  // [M, H*D]
-    auto k = project(normed, p, kK, w8a8).contiguous();  // [M, H_kv*D]
-    auto v = project(normed, p, kV, w8a8).contiguous();  // [M, H_kv*D]
+    auto q = project(normed, p, kQ, mode).contiguous();  // [M, H*D]
+    auto k = project(normed, p, kK, mode).contiguous();  // [M, H_kv*D]
+    auto v = project(normed, p, kV, mode).contiguous();  // [M, H_kv*D]
     if (p[kQn].numel()) {
       rms_norm(q.data_ptr<float>(), p[kQn].data_ptr<float>(), q.data_ptr<float>(), M * heads, D, eps);
       rms_norm(k.data_ptr<float>(), p[kKn].data_ptr<float>(), k.data_ptr<float>(), M * kv_heads, D, eps);
@@ -196,14 +274,14 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
     }
     attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads,
            kv_heads, D, static_cast<float>(scaling));
-    x.add_(project(attn, p, kO, w8a8));
+    x.add_(project(attn, p, kO, mode));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
     if (p[kUp].numel()) {
-      gate = project(normed, p, kGate, w8a8);
-      up = project(normed, p, kUp, w8a8);
+      gate = project(normed, p, kGate, mode);
+      up = project(normed, p, kUp, mode);
     } else {
-      auto both = project(normed, p, kGate, w8a8);  // [M, 2I]
+      auto both = project(normed, p, kGate, mode);  // [M, 2I]
       const int64_t I = both.size(1) / 2;
       gate = both.narrow(1, 0, I);
       up = both.narrow(1, I, I);
@@ -216,7 +294,7 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
       float* a = act.data_ptr<float>() + m * I;
       for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
-    x.add_(project(act, p, kDown, w8a8));
+    x.add_(project(act, p, kDown, mode));
   }
   return x;
 }
@@ -224,8 +302,10 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layers", &layers, "Llama-family decoder layers of a draft over a short chunk (int8 or float weights)");
   m.def("isa", []() { return std::string(V::kName); });
-  m.def("w8a8", []() { return kW8A8; }, "whether this build can run the int8 projections as W8A8");
+  m.def("vnni", []() { return kVnni; }, "whether this build can run the int8 projections as W8A16 / W8A8");
 #ifdef __AVX512VNNI__
   m.def("w8a8_linear", &hf_accel::w8a8::w8a8_linear, "W8A8 linear (a wide chunk's LM head)");
+  m.def("w8a16_linear", &hf_accel::w8a16::w8a16_linear, "W8A16 linear (a step's LM head)");
+  m.def("w8a16_fits", &hf_accel::w8a16::fits, "whether (in_features, scales per row) suit W8A16");
 #endif
 }
