@@ -261,3 +261,18 @@ def test_emulated_w8a8_is_reported_and_warned(monkeypatch, caplog):
     assert "W8A8 emulated in float (no VNNI kernel)" in hf_accel.patch_report(model)["changes"]["int8"]
     assert "W8A8 runs emulated in float (this CPU lacks AVX512VNNI (capability AVX2))" in caplog.text
     assert model.lm_head.kernel_path(torch.randn(1, 64)) == "w8a8-emulated"
+
+
+def test_quantize_activations16_groups_and_bad_input():
+    from hf_accel.quant.core import QuantizedWeight, quantize, quantize_activations16, w8a16_reference
+
+    x = torch.zeros(1, 64)
+    x[0, [0, 1, 2, 33]] = torch.tensor([2.0, -1.0, 3.0, 0.5])  # groups (k % 32) // 2: 0, 0, 1, 0
+    xq, scale = quantize_activations16(x)
+    assert scale[0, 0] == 2.0 / 32767 and scale[0, 1] == 3.0 / 32767 and not scale[0, 2:].any()
+    assert xq[0, [0, 1, 2, 33]].tolist() == [32767, -16384, 32767, 8192]  # -16383.5 rounds half to even
+    with pytest.raises(ValueError, match=r"W8A16 activations must be \[M, K\] with K a multiple of 32, got \(2, 48\)"):
+        quantize_activations16(torch.randn(2, 48))
+    grouped: QuantizedWeight = quantize(torch.randn(4, 64), group_size=32)
+    with pytest.raises(ValueError, match=r"W8A16 needs one weight scale per row, got group_size 32"):
+        w8a16_reference(torch.randn(2, 64), grouped)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
@@ -740,6 +741,23 @@ def test_draft_lookup_option_is_checked():
     assert "lookup" not in repr(SelfSpeculative("int8"))
 
 
+@contextlib.contextmanager
+def _native_modes():
+    """Records the int8 mode (``lean.WEIGHT_ONLY`` / ``W8A16`` / ``W8A8``) of every native layers call inside."""
+    calls: list[int] = []
+    original = NativeLayers.__call__
+
+    def spy(self, *args):
+        calls.append(args[-1])
+        return original(self, *args)
+
+    NativeLayers.__call__ = spy
+    try:
+        yield calls
+    finally:
+        NativeLayers.__call__ = original
+
+
 @pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
 def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
     """A wide chunk (a guess check) of the VNNI build runs the int8 projections and the head as W8A8: the same maths
@@ -756,27 +774,16 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
             module.activations, module._cpu_kernel = "int8", "w8a8"
     modules = LeanStep.build(w8a8, native=False)
     ids, mask = random_batch(2, [5, 3], seed=4)
-    calls: list[bool] = []
-    original = NativeLayers.__call__
-
-    def spy(self, *args):
-        calls.append(args[-1])
-        return original(self, *args)
-
-    NativeLayers.__call__ = spy
-    try:
-        with torch.no_grad():
-            plain = RaggedCache(model, DynamicCache(config=model.config), mask)
-            plain.feed(ids, prefix=True, last=1)
-            a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
-            b = RaggedCache(w8a8, copy.deepcopy(plain.cache), mask.clone(), modules)
-            width = lean.W8A8_MIN_WIDTH
-            chunk = torch.arange(5, 5 + 2 * width).view(2, width)
-            valid = torch.ones(2, width, dtype=torch.bool)
-            valid[1, :2] = False  # a hole
-            got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, W, V]
-    finally:
-        NativeLayers.__call__ = original
+    with _native_modes() as calls, torch.no_grad():
+        plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+        plain.feed(ids, prefix=True, last=1)
+        a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+        b = RaggedCache(w8a8, copy.deepcopy(plain.cache), mask.clone(), modules)
+        width = lean.W8A8_MIN_WIDTH
+        chunk = torch.arange(5, 5 + 2 * width).view(2, width)
+        valid = torch.ones(2, width, dtype=torch.bool)
+        valid[1, :2] = False  # a hole
+        got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, W, V]
     assert calls == [lean.W8A8]
     # W8A8 rounds activations to int8 steps, so float-order differences between the two paths can move a value
     # across a rounding boundary: compare at the scale of one quantization step of the logits
@@ -836,28 +843,17 @@ def test_native_lean_steps_of_several_rows_run_w8a16():
     native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
     assert native.native.w8a16
     ids, mask = random_batch(2, [5, 3], seed=6)
-    calls: list[int] = []
-    original = NativeLayers.__call__
-
-    def spy(self, *args):
-        calls.append(args[-1])
-        return original(self, *args)
-
-    NativeLayers.__call__ = spy
-    try:
-        with torch.no_grad():
-            plain = RaggedCache(model, DynamicCache(config=model.config), mask)
-            plain.feed(ids, prefix=True, last=1)
-            a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
-            b = RaggedCache(model, copy.deepcopy(plain.cache), mask.clone(), modules)
-            for chunk, valid in ((torch.full((2, 1), 9), None), (torch.tensor([[10, 11], [12, 13]]), None)):
-                got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, C, V]
-                # int16 activations: each rounded by at most 2**-16 of its group's largest value
-                assert_close(got, expected, atol=float(2e-4 * expected.abs().max()), rtol=0, name="w8a16 logits")
-                assert torch.equal(got.argmax(-1), expected.argmax(-1))
-            single = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
-            single.select([0])
-            single.feed(torch.full((1, 1), 9))
-    finally:
-        NativeLayers.__call__ = original
+    with _native_modes() as calls, torch.no_grad():
+        plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+        plain.feed(ids, prefix=True, last=1)
+        a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+        b = RaggedCache(model, copy.deepcopy(plain.cache), mask.clone(), modules)
+        for chunk, valid in ((torch.full((2, 1), 9), None), (torch.tensor([[10, 11], [12, 13]]), None)):
+            got, expected = a.feed(chunk, valid), b.feed(chunk, valid)  # [2, C, V]
+            # int16 activations: each rounded by at most 2**-16 of its group's largest value
+            assert_close(got, expected, atol=float(2e-4 * expected.abs().max()), rtol=0, name="w8a16 logits")
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        single = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+        single.select([0])
+        single.feed(torch.full((1, 1), 9))
     assert calls == [lean.W8A16, lean.W8A16, lean.WEIGHT_ONLY]

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "avx512_common.h"
 #include <algorithm>
 #include <vector>
 
@@ -66,15 +67,6 @@ inline void quantize_row(const float* x, int8_t* xq, float* scale, int32_t* base
   _mm512_storeu_si512(base, _mm512_mullo_epi32(sums, _mm512_set1_epi32(-128)));
 }
 
-// Sums of four vectors, one per lane of the result: [sum(a), sum(b), sum(c), sum(d)].
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  auto half = [](__m512 v) {  // 16 -> 8 lanes
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // MR activation rows x NR weight rows: y[i * ldy + r] = wscale[r] * sum_l xscale[i, l] * dot_l(xq[i], q[r]),
 // dot_l over group l, accumulated as dot_l(xq[i], q[r] + 128) from base[i, l] = -128 * sum_l(xq[i]).
 template <int MR, int NR>
@@ -98,15 +90,7 @@ inline void tile(const int8_t* xq, const float* xscale, const int32_t* base, con
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpbusd_epi32(acc[i][r], w, xv[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    const __m512 s = _mm512_loadu_ps(xscale + i * kLanes);
-    __m512 f[4];
-    for (int r = 0; r < 4; ++r) f[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][r % NR]), s);  // exact dots, scaled
-    // one reduction order for every tile shape, so a row's result does not depend on the rows beside it
-    alignas(16) float sums[4];
-    _mm_store_ps(sums, sum4(f[0], f[1], f[2], f[3]));
-    for (int r = 0; r < NR; ++r) y[i * ldy + r] = wscale[r] * sums[r];
-  }
+  store_scaled_dots<MR, NR>(acc, xscale, kLanes, wscale, y, ldy);  // exact dots, scaled
 }
 
 template <int NR>

@@ -34,7 +34,7 @@ from torch import nn
 from .._ext import extension_status, load_extension
 from ..errors import IncompatibleOptionsError
 from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
-from .gqa import GQA_ATTENTION, gqa_sdpa, register_gqa
+from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
 
 __all__ = [
     "DECODE_MAX_QUERY",
@@ -136,12 +136,8 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         layer: PagedLayer | None = key.__dict__.get(LAYER_TAG)
         if layer is None:  # not a PagedCache: the base implementation (its result; K/V copies spared on CPU)
             mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
-            out = gqa_sdpa(module, query, key, value, mask, scaling, dropout, kwargs) if base == "sdpa" else None
-            if out is not None:
-                return out, None
-            return _base_attention(module, base)(
-                module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs
-            )
+            function = gqa_attention if base == "sdpa" else _base_attention(module, base)
+            return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
         if attention_mask is not None and not isinstance(attention_mask, PagedMask):
             raise IncompatibleOptionsError(
                 "PagedCache does not take a custom 4D attention mask; pass a 2D padding mask"

@@ -117,10 +117,10 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
 
 
-def _lane_view(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+def _lane_view(x: torch.Tensor, block: int = ACT_BLOCK, scheme: str = "W8A8") -> torch.Tensor:
     """``[M, K]`` -> ``[M, K / block, 16, block / 16]``: dims 1 and 3 of the view run over one activation group."""
     if x.dim() != 2 or x.shape[1] % block:
-        raise ValueError(f"quantized activations must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
+        raise ValueError(f"{scheme} activations must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
     return x.reshape(x.shape[0], x.shape[1] // block, ACT_LANES, block // ACT_LANES)
 
 
@@ -181,7 +181,7 @@ def quantize_activations16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     Raises:
         ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT16_BLOCK`.
     """
-    groups = _lane_view(x.float(), ACT16_BLOCK)  # [M, B, 16, 2]
+    groups = _lane_view(x.float(), ACT16_BLOCK, "W8A16")  # [M, B, 16, 2]
     scale = groups.abs().amax(dim=(1, 3)) / 32767.0  # [M, 16]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]
     xq = torch.round(groups / safe).clamp_(-32767, 32767)
@@ -201,8 +201,8 @@ def w8a16_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     if qw.scale.shape[1] != 1:
         raise ValueError(f"W8A16 needs one weight scale per row, got group_size {qw.group_size}")
     xq, xscale = quantize_activations16(x)
-    xg = _lane_view(xq, ACT16_BLOCK).double()  # [M, B, 16, 2]
-    wg = _lane_view(qw.qweight, ACT16_BLOCK).double()  # [N, B, 16, 2]
+    xg = _lane_view(xq, ACT16_BLOCK, "W8A16").double()  # [M, B, 16, 2]
+    wg = _lane_view(qw.qweight, ACT16_BLOCK, "W8A16").double()  # [N, B, 16, 2]
     dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
     return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
 

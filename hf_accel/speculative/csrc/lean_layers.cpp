@@ -19,6 +19,9 @@
 #include <limits>
 #include <vector>
 #include "int8_traits.h"
+#ifdef __AVX512F__
+#include "avx512_common.h"
+#endif
 #include "vexp.h"
 #include "int8_gemm_impl.h"
 #ifdef __AVX512VNNI__
@@ -114,14 +117,7 @@ inline V::F vadd(V::F a, V::F b) { return _mm512_add_ps(a, b); }
 inline V::F vsub(V::F a, V::F b) { return _mm512_sub_ps(a, b); }
 inline V::F vmul(V::F a, V::F b) { return _mm512_mul_ps(a, b); }
 inline float hmax(V::F v) { return _mm512_reduce_max_ps(v); }
-// out[0..4) = the lane sums of a, b, c, d
-inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
-  auto half = [](__m512 v) {  // 16 -> 8 lanes
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  };
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
+inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) { _mm_storeu_ps(out, hf_accel::sum4(a, b, c, d)); }
 #else
 inline V::F vexp(V::F x) { return hf_accel::exp8(x); }
 inline V::F vmax(V::F a, V::F b) { return _mm256_max_ps(a, b); }
