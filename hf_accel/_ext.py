@@ -35,7 +35,7 @@ _ops_lock = threading.Lock()
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
 #: instruction set -> (CPU capabilities that run it, extra /proc/cpuinfo flags it needs, compiler flags)
 _ISAS = {
-    "avx2": (("AVX2", "AVX512"), (), ["-mavx2", "-mfma"]),
+    "avx2": (("AVX2", "AVX512"), (), ["-mavx2", "-mfma", "-mf16c"]),  # every AVX2 CPU has F16C
     "avx512": (("AVX512",), (), _AVX512),
     "avx512vnni": (("AVX512",), ("avx512_vnni",), [*_AVX512, "-mavx512vnni"]),
 }

@@ -226,8 +226,8 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
     step = LeanStep.build(model, native=native)
     assert step is not None
     assert (step.native is not None) == native
-    if native:  # the int8 projections' own maths (W8A16 rounds activations: its own test below)
-        step.native.w8a16 = False
+    if native:  # the int8 projections' own maths and float32 K/V (W8A16 and float16 K/V: their own tests below)
+        step.native.w8a16, step.native.kv_dtype = False, torch.float32
     ids, mask = random_batch(3, [4, 9, 6], seed=5)
     with torch.no_grad():
         ragged = RaggedCache(model, DynamicCache(config=model.config), mask)
@@ -283,6 +283,7 @@ def test_native_lean_layers_avx2_build_matches_the_modules():
         native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
         native.native.module = avx2
         native.native.w8a16 = native.native.w8a8 = False  # what a build without VNNI gets
+        native.native.kv_dtype = torch.float32  # the module path's K/V (float16 K/V: their own test)
         ids, mask = random_batch(2, [5, 3], seed=3)
         with torch.no_grad():
             plain = RaggedCache(model, DynamicCache(config=model.config), mask)
@@ -767,6 +768,7 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
 
     model = _lean_draft("llama", True)
     native = LeanStep.build(model)
+    native.native.kv_dtype = torch.float32
     assert native.native.w8a8 and native.native.module.vnni()
     w8a8 = copy.deepcopy(model)
     for module in w8a8.modules():
@@ -841,6 +843,7 @@ def test_native_lean_steps_of_several_rows_run_w8a16():
 
     model = _lean_draft("llama", True)
     native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
+    native.native.kv_dtype = torch.float32
     assert native.native.w8a16
     ids, mask = random_batch(2, [5, 3], seed=6)
     with _native_modes() as calls, torch.no_grad():
@@ -857,3 +860,56 @@ def test_native_lean_steps_of_several_rows_run_w8a16():
         single.select([0])
         single.feed(torch.full((1, 1), 9))
     assert calls == [lean.W8A16, lean.W8A16, lean.WEIGHT_ONLY]
+
+
+@_NATIVE
+@pytest.mark.parametrize("isa", ["widest", "avx2"])
+def test_native_lean_steps_keep_float16_keys_and_values(isa):
+    """By default the native layers keep the draft's K/V in float16 (half the bytes a step streams): the cache holds
+    the float32 K/V rounded to float16 (the prompt's converted once), logits stay within float16's rounding of the
+    float32 path with the same argmax, and a module-path feed afterwards gets float32 K/V back."""
+    model = _lean_draft("qwen2", False)
+    native, reference = LeanStep.build(model), LeanStep.build(model)
+    if isa == "avx2":
+        module = native_module({16}, isa="avx2")
+        if module is None:
+            pytest.skip("no AVX2 build of the native layers here")
+        native.native.module = reference.native.module = module
+        native.native.w8a16 = native.native.w8a8 = reference.native.w8a16 = reference.native.w8a8 = False
+    assert native.native.kv_dtype == torch.float16
+    reference.native.kv_dtype = torch.float32
+    ids, mask = random_batch(2, [5, 3], seed=7)
+    with torch.no_grad():
+        plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+        plain.feed(ids, prefix=True, last=1)
+        a = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), native)
+        b = RaggedCache(model, to_growing(copy.deepcopy(plain.cache)), mask.clone(), reference)
+        for chunk in (torch.full((2, 1), 9), torch.tensor([[10, 11], [12, 13]])):
+            got, expected = a.feed(chunk), b.feed(chunk)  # [2, C, V]
+            # float16 keeps 11 significant bits of every key and value
+            assert_close(got, expected, atol=float(5e-3 * expected.abs().max()), rtol=0, name="float16 K/V logits")
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        prompt = mask.shape[1]
+        for mine, theirs in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert mine.keys.dtype == torch.float16 and theirs.keys.dtype == torch.float32
+            # the prompt's K/V: converted once, exactly the float32 values rounded
+            assert torch.equal(mine.keys[:, :, :prompt], theirs.keys[:, :, :prompt].half())
+            assert torch.equal(mine.values[:, :, :prompt], theirs.values[:, :, :prompt].half())
+            # the steps' K/V: computed through attention over float16 K/V in the layers below, then rounded
+            for got_kv, want_kv in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                assert_close(got_kv.float(), want_kv, atol=float(1e-2 * want_kv.abs().max()), rtol=0, name="K/V")
+        a.step = None  # the model's own forward: its float32 update converts the buffers back
+        a.feed(torch.full((2, 1), 14))
+    assert all(layer.keys.dtype == torch.float32 for layer in a.cache.layers)
+
+
+def test_growing_layer_saturates_when_a_writer_narrows_the_dtype():
+    from hf_accel.speculative.growing import GrowingLayer
+
+    layer = GrowingLayer()
+    keys = torch.tensor([1.0, -1e6, 1e6, 0.5]).view(1, 1, 4, 1)  # [B, H_kv, T, D]
+    layer.update(keys, -keys)
+    buf_k, buf_v, used = layer.reserve(1, 1, 1, 1, torch.float16, keys.device)
+    assert used == 4 and buf_k.dtype == torch.float16
+    assert buf_k[0, 0, :4, 0].tolist() == [1.0, -65504.0, 65504.0, 0.5]  # saturated, not inf
+    assert buf_v[0, 0, :4, 0].tolist() == [-1.0, 65504.0, -65504.0, -0.5]

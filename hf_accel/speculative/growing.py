@@ -4,7 +4,9 @@
 layer's K/V (at SmolLM2's ~450-token context, ~2 ms of a ~15 ms int8 draft step). :class:`GrowingLayer` keeps
 its K/V as the leading part of a larger buffer and writes new tokens after it; ``keys`` / ``values`` stay views
 of the valid part, so ``crop`` (a slice), ``batch_select_indices`` (a copy, after which the next update makes a
-new buffer) and everything else of the ``DynamicLayer`` contract behave as before.
+new buffer) and everything else of the ``DynamicLayer`` contract behave as before. A writer asking for another
+dtype (the native draft layers keep float16 K/V; a module forward writes float32) gets the buffer converted once,
+values beyond the new dtype's range saturated.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def _grow(valid: torch.Tensor, shape: tuple, used: int, need: int) -> torch.Tens
     capacity = max(need + need // 4, need + 128)
     buf = torch.empty(batch, heads, capacity, dim, dtype=dtype, device=device)  # [B, H_kv, capacity, D]
     if used:
+        converting = valid.dtype.is_floating_point and dtype.is_floating_point and valid.dtype != dtype
+        if converting and torch.finfo(dtype).max < torch.finfo(valid.dtype).max:  # saturate, never overflow to inf
+            bound = torch.finfo(dtype).max
+            valid = valid.clamp(-bound, bound)
         buf[:, :, :used] = valid
     return buf
 

@@ -177,6 +177,10 @@ class NativeLayers:
         #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
         self.w8a16 = bool(int8) and module.vnni()
         self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
+        #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
+        #: (at a batch of 4 rows and a ~450-token context the fp32 K/V of SmolLM2's 30 layers are ~80 MB, close to
+        #: its int8 weights); the draft only proposes, so its keys' rounding can cost acceptance, never output
+        self.kv_dtype = torch.float16
 
     def mode(self, rows: int, width: int) -> int:
         """How a chunk of ``rows`` activation rows (batch x width), ``width`` tokens wide, runs the int8
@@ -252,7 +256,7 @@ class NativeLayers:
         Appends the chunk's K/V to ``cache``; returns ``[B, C, E]``."""
         batch, width, hidden = h.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        reserved = [layer.reserve(batch, kv_heads, width, dim, h.dtype, h.device) for layer in cache.layers]
+        reserved = [layer.reserve(batch, kv_heads, width, dim, self.kv_dtype, h.device) for layer in cache.layers]
         used = reserved[0][2]
         out = self.module.layers(
             h.reshape(batch * width, hidden),

@@ -137,40 +137,68 @@ inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// K/V elements: float32, or float16 (the draft's cache; half the bytes a step streams). One vector / one value as
+// float32.
+inline typename V::F load_kv(const float* p) { return V::load(p); }
+inline float kv_value(float x) { return x; }
+#ifdef __AVX512F__
+inline V::F load_kv(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#else
+inline V::F load_kv(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+inline float kv_value(at::Half x) { return static_cast<float>(x); }
+
+// K/V stored from float32: float16 saturates at its largest finite value instead of overflowing to inf.
+inline void store_kv(const float* src, float* dst, int64_t n) { std::copy_n(src, n, dst); }
+inline void store_kv(const float* src, at::Half* dst, int64_t n) {
+  constexpr float kMax = 65504.f;
+  for (int64_t i = 0; i < n; ++i) dst[i] = at::Half(std::min(kMax, std::max(-kMax, src[i])));
+}
+
 // s[t] = scaling * (q . K[t]) where allow[t], else -inf, for t in [0, T); four keys at a time share one reduction.
-void scores(const float* q, const float* K, const bool* allow, float* s, int64_t T, int64_t D, float scaling) {
+template <typename T>
+void scores(const float* q, const T* K, const bool* allow, float* s, int64_t T_, int64_t D, float scaling) {
   int64_t t = 0;
   if (D % V::kLanes == 0) {
-    for (; t + 4 <= T; t += 4) {
+    for (; t + 4 <= T_; t += 4) {
       typename V::F acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
       for (int64_t d = 0; d < D; d += V::kLanes) {
         const typename V::F qv = V::load(q + d);
-        for (int j = 0; j < 4; ++j) acc[j] = V::fma(qv, V::load(K + (t + j) * D + d), acc[j]);
+        for (int j = 0; j < 4; ++j) acc[j] = V::fma(qv, load_kv(K + (t + j) * D + d), acc[j]);
       }
       float out[4];
       sum4(acc[0], acc[1], acc[2], acc[3], out);
       for (int j = 0; j < 4; ++j) s[t + j] = allow[t + j] ? out[j] * scaling : kNegInf;
     }
   }
-  for (; t < T; ++t) s[t] = allow[t] ? dot(q, K + t * D, D) * scaling : kNegInf;
+  for (; t < T_; ++t) {
+    if (!allow[t]) {
+      s[t] = kNegInf;
+      continue;
+    }
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * kv_value(K[t * D + d]);
+    s[t] = dot * scaling;
+  }
 }
 
 // o[0..D) = sum_t p[t] * Vv[t] * inv over t in [0, T), the output held in registers 4 vectors at a time.
-void weighted_values(const float* p, const float* Vv, float* o, int64_t T, int64_t D, float inv) {
+template <typename T>
+void weighted_values(const float* p, const T* Vv, float* o, int64_t T_, int64_t D, float inv) {
   if (D % V::kLanes) {
     std::fill(o, o + D, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * Vv[t * D + d];
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t d = 0; d < D; ++d) o[d] += p[t] * kv_value(Vv[t * D + d]);
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     return;
   }
   for (int64_t d0 = 0; d0 < D; d0 += 4 * V::kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(4, (D - d0) / V::kLanes));
     typename V::F acc[4] = {V::zero(), V::zero(), V::zero(), V::zero()};
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < T_; ++t) {
       if (p[t] == 0.f) continue;  // masked (or negligible) keys
       const typename V::F pv = V::set1(p[t]);
-      for (int j = 0; j < n; ++j) acc[j] = V::fma(pv, V::load(Vv + t * D + d0 + j * V::kLanes), acc[j]);
+      for (int j = 0; j < n; ++j) acc[j] = V::fma(pv, load_kv(Vv + t * D + d0 + j * V::kLanes), acc[j]);
     }
     const typename V::F iv = V::set1(inv);
     for (int j = 0; j < n; ++j) V::store(o + d0 + j * V::kLanes, vmul(acc[j], iv));
@@ -181,8 +209,9 @@ void weighted_values(const float* p, const float* Vv, float* o, int64_t T, int64
 // time, a vectorised softmax, the weighted values accumulated in registers (K/V of a head group stay in L1/L2 for
 // its query heads).
 // q [B*C, H*D]; keys / values [B, H_kv, cap, D]; allowed [B, C, T]; out [B*C, H*D].
-void attend(const float* q, const float* keys, const float* values, const bool* allowed, float* out, int64_t B,
-            int64_t C, int64_t T, int64_t cap, int64_t H, int64_t Hkv, int64_t D, float scaling) {
+template <typename KV>
+void attend(const float* q, const KV* keys, const KV* values, const bool* allowed, float* out, int64_t B, int64_t C,
+            int64_t T, int64_t cap, int64_t H, int64_t Hkv, int64_t D, float scaling) {
   const int64_t groups = H / Hkv;
   const int64_t padded = (T + V::kLanes - 1) / V::kLanes * V::kLanes;
   at::parallel_for(0, B * H * C, 1, [&](int64_t begin, int64_t end) {
@@ -190,8 +219,8 @@ void attend(const float* q, const float* keys, const float* values, const bool* 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (H * C), h = (item / C) % H, c = item % C;
       const int64_t row = b * C + c;
-      const float* K = keys + (b * Hkv + h / groups) * cap * D;
-      const float* Vv = values + (b * Hkv + h / groups) * cap * D;
+      const KV* K = keys + (b * Hkv + h / groups) * cap * D;
+      const KV* Vv = values + (b * Hkv + h / groups) * cap * D;
       float* o = out + (row * H + h) * D;
       float* s = score.data();
       scores(q + (row * H + h) * D, K, allowed + row * T, s, T, D, scaling);
@@ -215,12 +244,31 @@ void attend(const float* q, const float* keys, const float* values, const bool* 
   });
 }
 
+// The chunk's K/V (k / v [M, H_kv*D] float32) into columns [used, used + C) of the layer's buffers kp / vp
+// [B, H_kv, cap, D], then attention of q [M, H*D] over them into attn [M, H*D].
+template <typename KV>
+void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, KV* kp, KV* vp,
+                      const torch::Tensor& mask, torch::Tensor& attn, int64_t B, int64_t C, int64_t T, int64_t used,
+                      int64_t cap, int64_t heads, int64_t kv_heads, int64_t D, float scaling) {
+  const int64_t M = B * C;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / C, col = used + m % C;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const int64_t at = ((b * kv_heads + g) * cap + col) * D;
+      store_kv(k.data_ptr<float>() + (m * kv_heads + g) * D, kp + at, D);
+      store_kv(v.data_ptr<float>() + (m * kv_heads + g) * D, vp + at, D);
+    }
+  }
+  attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads, kv_heads, D,
+         scaling);
+}
+
 }  // namespace
 
 // h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
 // int8 projections run (Mode; other than weight-only in the VNNI build only).
-// keys / values: per layer [B, H_kv, cap, D] contiguous buffers holding `used` columns; the chunk's C columns
-// are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
+// keys / values: per layer [B, H_kv, cap, D] contiguous buffers (float32, or float16: saturated at +-65504) holding
+// `used` columns; the chunk's C columns are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
 torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& params,
                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t used,
                      torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
@@ -258,18 +306,15 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
     }
     rotate(q.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, heads, D);
     rotate(k.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, kv_heads, D);
-    float* kp = kb.data_ptr<float>();
-    float* vp = vb.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {  // the chunk's K/V into columns [used, used + C)
-      const int64_t b = m / C, col = used + m % C;
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const int64_t at = ((b * kv_heads + g) * cap + col) * D;
-        std::copy_n(k.data_ptr<float>() + (m * kv_heads + g) * D, D, kp + at);
-        std::copy_n(v.data_ptr<float>() + (m * kv_heads + g) * D, D, vp + at);
-      }
-    }
-    attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads,
-           kv_heads, D, static_cast<float>(scaling));
+    const bool half = kb.scalar_type() == torch::kHalf;
+    TORCH_CHECK((half || kb.scalar_type() == torch::kFloat) && vb.scalar_type() == kb.scalar_type(),
+                "lean layers: layer ", l, ": K/V buffers must both be float32 or both float16");
+    if (half)
+      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, attn, B, C, T, used, cap, heads,
+                       kv_heads, D, static_cast<float>(scaling));
+    else
+      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, attn, B, C, T, used, cap, heads,
+                       kv_heads, D, static_cast<float>(scaling));
     x.add_(project(attn, p, kO, mode));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
