@@ -3,9 +3,10 @@
 // A draft step at SmolLM2's size is mostly per-operator overhead when each layer runs as ~25 PyTorch calls
 // (~250 us per layer against ~200 us of int8 maths). Here every layer runs in C++: RMSNorm, the q/k/v/o and
 // MLP projections (int8 weights through hf_accel's int8 kernel, float weights through at::linear), optional
-// per-head q/k norms (qwen3), the half-split rotary embedding, the K/V write into the cache's spare capacity,
-// attention over the ragged mask (grouped heads read their shared K/V head in place) and SiLU-gated MLP.
-// Same maths as the layers' modules in fp32; only the rounding order differs.
+// per-head q/k norms (qwen3), the half-split rotary embedding, the K/V write into the cache's spare capacity (float32,
+// or float16 to halve what later steps read back), attention over the ragged mask (grouped heads read their shared
+// K/V head in place) and SiLU-gated MLP. Same maths as the layers' modules in fp32 (float32 K/V, weight-only int8);
+// only the rounding order differs.
 //
 // Compiled three times (lean_layers / lean_layers_avx512 / lean_layers_vnni): int8 weights use the widest
 // weight-only int8 kernel of the build; the VNNI build can also run them with quantized activations and integer
