@@ -12,7 +12,7 @@
 // values one int32 lane of `vpdpwssd` sums (symmetric, scale = max|x| / 32767, round half to even). Relative to a
 // group's largest value that is a rounding error of 2**-16: far below what int8 weights already cost a draft,
 // unlike W8A8's 2**-8 (w8a8_impl.h), which measurably lowered a draft's acceptance. Each lane accumulates one
-// group's exact integer dot in int32 (|q| <= 128, |x| <= 32767: at most 2**23 per block and lane, so K stays below
+// group's exact integer dot in int32 (|q| <= 128, |x| <= 32767: below 2**23 per block and lane, hence K <=
 // kMaxK), converted and scaled once at the end.
 // Tiles of 4 weight rows share each activation load; activation rows go 4, 2, 1 at a time; tiles are split over
 // threads; software prefetch runs past the tile's end as in the other int8 kernels.
@@ -27,7 +27,7 @@ namespace hf_accel::w8a16 {
 
 constexpr int64_t kBlock = 32;      // features per zmm of int16: K must be a multiple
 constexpr int64_t kLanes = 16;      // activation groups per row: int32 lanes of a zmm
-constexpr int64_t kMaxK = 8192;     // 256 blocks x 2**23 < 2**31: the int32 lane sums cannot overflow
+constexpr int64_t kMaxK = 8192;     // 256 blocks x 2 x 128 x 32767 < 2**31: the int32 lane sums cannot overflow
 constexpr int64_t kRows = 4;        // weight rows per tile
 constexpr int64_t kAhead = 2048;    // prefetch this far past the tile's end (int8_gemm_impl.h: kInt8Ahead)
 

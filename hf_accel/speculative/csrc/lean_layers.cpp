@@ -100,17 +100,6 @@ void rotate(float* x, const float* cos, const float* sin, int64_t M, int64_t hea
     }
 }
 
-float dot(const float* a, const float* b, int64_t D) {
-  if (D % V::kLanes) {
-    float s = 0.f;
-    for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-    return s;
-  }
-  typename V::F acc = V::zero();
-  for (int64_t d = 0; d < D; d += V::kLanes) acc = V::fma(V::load(a + d), V::load(b + d), acc);
-  return V::sum(acc);
-}
-
 #ifdef __AVX512F__
 inline V::F vexp(V::F x) { return hf_accel::exp16(x); }
 inline V::F vmax(V::F a, V::F b) { return _mm512_max_ps(a, b); }
