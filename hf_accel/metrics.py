@@ -140,6 +140,9 @@ class StepClock:
     """A stopping criterion that never stops: it timestamps every call (once per decoding step in plain
     ``generate``, once per emitted token in speculative decoding). Costs one ``perf_counter`` per call."""
 
+    #: never reads ``scores`` (speculative greedy calls may then verify through the screened LM head)
+    reads_scores = False
+
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.stamps: list[float] = []

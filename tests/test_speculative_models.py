@@ -666,10 +666,10 @@ def _draft_feeds(monkeypatch, draft) -> list[tuple[int, int]]:
     feeds: list[tuple[int, int]] = []
     original = RaggedCache.feed
 
-    def counted(self, ids, valid=None, prefix=False, last=0):
+    def counted(self, ids, valid=None, prefix=False, last=0, hidden=False):
         if self.model is draft:
             feeds.append((ids.shape[1], last))
-        return original(self, ids, valid, prefix, last)
+        return original(self, ids, valid, prefix, last, hidden)
 
     monkeypatch.setattr(RaggedCache, "feed", counted)
     return feeds

@@ -284,7 +284,7 @@ class LeanStep:
     Build it with :meth:`build`; call it with the step's tokens, its ragged layout and positions.
     """
 
-    def __init__(self, model: nn.Module, native: bool = True) -> None:
+    def __init__(self, model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16) -> None:
         base = model.model
         self.embed, self.rotary, self.norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.layers = list(base.layers[: model.config.num_hidden_layers])
@@ -293,14 +293,17 @@ class LeanStep:
         self.kv_heads = model.config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.native = NativeLayers.build(self) if native else None
+        if self.native is not None:
+            self.native.kv_dtype = kv_dtype
 
     @staticmethod
-    def build(model: nn.Module, native: bool = True) -> LeanStep | None:
+    def build(model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16) -> LeanStep | None:
         """A lean step for ``model``, or ``None`` where it does not apply (the model's own forward then runs).
 
         Args:
-            model: the draft.
+            model: the draft (or a speculative target's verification chunks: then ``kv_dtype=torch.float32``).
             native: run the layers natively where :class:`NativeLayers` applies (``False``: always the modules).
+            kv_dtype: dtype of the K/V the native layers keep (:attr:`NativeLayers.kv_dtype`).
         """
         config = getattr(model, "config", None)
         if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
@@ -324,10 +327,16 @@ class LeanStep:
                 return None
         if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()):
             return None  # hooks (accelerate offload, user hooks) must see the model's own forward
-        return LeanStep(model, native)
+        return LeanStep(model, native, kv_dtype)
 
     def __call__(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any, last: int = 0
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        last: int = 0,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run a short chunk (one token per row in a draft step; a few in a catch-up).
 
@@ -337,9 +346,10 @@ class LeanStep:
             positions: ``[B, C]`` each token's index among its row's real tokens.
             cache: the ``DynamicCache`` holding the first ``T - C`` columns; the chunk's K/V are appended.
             last: only the last ``last`` columns' logits (0: every column's).
+            hidden: return the final hidden states (after the last norm) instead of logits.
 
         Returns:
-            ``[B, C, V]`` logits (``[B, min(C, last), V]`` with ``last``).
+            ``[B, C, V]`` logits (``[B, min(C, last), V]`` with ``last``); with ``hidden``, ``[B, C or last, E]``.
         """
         batch, width = ids.shape
         mask, positions = mask.to(ids.device), positions.to(ids.device)  # the layout may live on the host
@@ -360,6 +370,8 @@ class LeanStep:
             h = self._layers(h, cos, sin, allowed, cache)
         if last:
             h = h[:, -last:]
+        if hidden:
+            return _rms_norm(self.norm, h)  # [B, C or last, E]
         kernel = None if mode is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
         return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C or last, V]
 

@@ -34,7 +34,8 @@ class RaggedCache:
         mask: ``[B, T0]`` the layout of what the cache will hold after the first :meth:`feed` (the prompt's
             padding mask); the first feed passes the tokens the cache lacks.
         step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens (not prompts) instead of the model's forward (a
-            draft's :class:`~.lean.LeanStep`); not with a ``PagedCache``.
+            draft's :class:`~.lean.LeanStep`, or the target's for its verification chunks); not with a
+            ``PagedCache``.
     """
 
     def __init__(
@@ -44,7 +45,8 @@ class RaggedCache:
         self.cache = cache
         self.mask = mask.long()  # [B, T]: 1 = real token, 0 = padding / hole
         self.paged = hasattr(cache, "rollback_rows")
-        self.step = None if self.paged else step  # (ids, mask, positions, cache, last) -> [B, C or last, V]
+        # (ids, mask, positions, cache, last, hidden) -> [B, C or last, V or E]
+        self.step = None if self.paged else step
 
     @property
     def batch(self) -> int:
@@ -54,7 +56,12 @@ class RaggedCache:
         return self.mask.sum(1)  # [B]
 
     def feed(
-        self, ids: torch.Tensor, valid: torch.Tensor | None = None, prefix: bool = False, last: int = 0
+        self,
+        ids: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        prefix: bool = False,
+        last: int = 0,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run the model on a chunk and return its logits.
 
@@ -64,9 +71,11 @@ class RaggedCache:
             prefix: the chunk is the tail of ``self.mask``'s initial layout (the prompt not yet cached).
             last: only the last ``last`` columns' logits are needed (1: a prompt, a catch-up); the LM head skips
                 the rest. 0: every column's.
+            hidden: return the final hidden states instead (the decoder ``model.model`` runs, not the LM head; for
+                a target whose logits are ``lm_head(hidden)``, see :mod:`.screen`).
 
         Returns:
-            ``[B, C, V]`` logits, or ``[B, last, V]``.
+            ``[B, C, V]`` logits, or ``[B, last, V]``; with ``hidden``, ``[B, C or last, E]``.
         """
         if prefix:
             mask = self.mask
@@ -77,9 +86,15 @@ class RaggedCache:
         before = (mask[:, : mask.shape[1] - ids.shape[1]]).sum(1, keepdim=True)  # [B, 1] real tokens already in
         pos = (before + chunk.cumsum(1) - 1).clamp_min(0)  # [B, C] each real token's index in its row
         if self.step is not None and ids.shape[1] <= LEAN_MAX_WIDTH and not prefix:
-            logits = self.step(ids, mask, pos, self.cache, last=last)  # [B, C or last, V]
+            out = self.step(ids, mask, pos, self.cache, last=last, hidden=hidden)  # [B, C or last, V or E]
             self.mask = mask
-            return logits
+            return out
+        if hidden:
+            base = self.model.model  # the decoder without the LM head
+            out = base(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
+            self.mask = mask
+            states = out.last_hidden_state  # [B, C, E]
+            return states[:, -last:] if last else states
         out = self.model(
             input_ids=ids,
             attention_mask=mask,

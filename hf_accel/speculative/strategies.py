@@ -134,6 +134,10 @@ class Strategy:
     name = "strategy"
     #: proposals are free and deterministic: the policy may score them on plain steps without verifying them
     shadow = False
+    #: greedy calls without logits processors or returned scores verify through the int8-screened LM head
+    #: (:mod:`~hf_accel.speculative.screen`: the same argmax, exactly; applies where the loop can build one); set
+    #: ``False`` on an instance to always run the target's float head
+    screen_head = True
 
     def __init__(
         self, num_tokens: int = 5, adaptive: bool = True, max_tokens: int | None = None, fallback: bool = True
