@@ -9,9 +9,10 @@ Transformers' own ``prompt_lookup_num_tokens=10`` and ``assistant_model`` (a cop
 throughout: every output is checked token-identical to plain generate. "tokens/s" counts generated tokens
 (not padding) over the whole call, prefill included; "decode tok/s" leaves the prefill out: the time of the same
 call with ``max_new_tokens=1`` (its prefill and first token, identical for every method) is subtracted, and so
-is that first token; medians of ``--repeats``. Ratios are against "plain generate" (Transformers' cache); compare a
-``+ paged`` row with "plain generate + paged" (the paged cache without speculation, with ``--compile`` its compiled
-decode step) for the gain of speculation alone.
+is that first token; medians of ``--repeats``, taken round-robin over the methods (after a full-length warm-up
+of each) so that the machine's drift spreads over all of them. Ratios are against "plain generate"
+(Transformers' cache); compare a ``+ paged`` row with "plain generate + paged" (the paged cache without
+speculation, with ``--compile`` its compiled decode step) for the gain of speculation alone.
 
 ``--compile`` patches with ``compile=True`` as well (pre-packed linears, docs/compile.md): "plain generate" is
 then the packed model without speculation, and a first row "plain generate, unpatched" gives the ratio against
@@ -123,13 +124,19 @@ def main() -> None:
                     statistics.median(x[3] for x in samples),
                 )
             run(model, inputs, 4)  # warm-up
-            for name, kwargs in methods.items():
+            for kwargs in methods.values():
                 # a full-length warm-up: with --compile, chunk widths and batch sizes first met mid-call compile
                 # their graphs (seconds each) here rather than in a timed call
                 run(model, inputs, args.new_tokens, **kwargs)
-                samples = [run(model, inputs, args.new_tokens, **kwargs) for _ in range(args.repeats)]
-                rate = statistics.median(s[0] for s in samples)
-                results[name] = (rate, samples[0][1], samples[0][2], statistics.median(s[3] for s in samples))
+            # repeats round-robin over the methods: this machine's speed drifts over minutes, and a baseline
+            # measured minutes before a method skews their ratio (by up to ~20% in earlier runs)
+            samples: dict[str, list] = {name: [] for name in methods}
+            for _ in range(args.repeats):
+                for name, kwargs in methods.items():
+                    samples[name].append(run(model, inputs, args.new_tokens, **kwargs))
+            for name, got in samples.items():
+                rate = statistics.median(s[0] for s in got)
+                results[name] = (rate, got[0][1], got[0][2], statistics.median(s[3] for s in got))
             base_rate, base_out, _, base_decode = results["plain generate"]
             first_rate, _, _, first_decode = next(iter(results.values()))
             for name, (rate, out, stats, decode) in results.items():

@@ -112,6 +112,11 @@ def is_sharded(tensor: torch.Tensor | None) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether Transformers sharded ``model`` by tensor parallelism (a degree above 1, or ``DTensor`` weights)."""
+    return tp_size(model) > 1 or any(is_sharded(p) for p in model.parameters())
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a ``DTensor`` (the tensor itself otherwise)."""
     return tensor._local_tensor if is_sharded(tensor) else tensor

@@ -233,3 +233,18 @@ def test_target_chunks_run_the_native_layers_with_float32_kv(monkeypatch):
     assert torch.equal(got_ids, expected_ids) and fed and all(fed)
     assert loop.target_step(tiny_model("gemma")) is None  # not a lean architecture
     assert loop.target_step(tiny_model("llama", dtype=torch.bfloat16)) is None  # no native layers for bf16
+
+
+def test_screen_and_native_target_chunks_stay_off_under_tensor_parallelism():
+    """A model Transformers sharded (``_tp_size`` > 1; its weights are DTensor shards whose collectives live in the
+    modules' forwards) keeps its own forward and head: no screen, no native target chunks, no lean draft step. The
+    two-process run itself is tests/test_scaling.py::test_tensor_parallel_two_cpu_processes."""
+    from hf_accel.dispatch import is_tensor_parallel
+    from hf_accel.speculative import loop
+    from hf_accel.speculative.lean import LeanStep
+
+    model = tiny_model("llama")
+    assert not is_tensor_parallel(model) and LeanStep.build(model) is not None
+    model._tp_size = 2
+    assert is_tensor_parallel(model)
+    assert head_screen(model) is None and loop.target_step(model) is None and LeanStep.build(model) is None

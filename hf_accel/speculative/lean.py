@@ -34,6 +34,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .._ext import load_extension
+from ..dispatch import is_tensor_parallel
 from ..quant.linear import w8a8_fits
 from .growing import GrowingLayer
 
@@ -327,6 +328,8 @@ class LeanStep:
                 return None
         if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()):
             return None  # hooks (accelerate offload, user hooks) must see the model's own forward
+        if is_tensor_parallel(model):
+            return None  # tensor-parallel shards: the model's own forward does the collectives
         return LeanStep(model, native, kv_dtype)
 
     def __call__(

@@ -177,11 +177,14 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
     """The int8 screen of ``model``'s LM head (built once, cached while the weight is unchanged), or ``None`` where
     it does not apply: the logits must be exactly ``lm_head(model.model(...))`` (the lean draft architectures,
     forward not replaced on the instance, no hooks), the head a float32 ``nn.Linear`` on the CPU, and the W8A16
-    kernel (AVX-512 VNNI build of the draft's native layers) available for its width."""
+    kernel (AVX-512 VNNI build of the draft's native layers) available for its width; not under tensor parallelism."""
+    from ..dispatch import is_tensor_parallel
     from .lean import LEAN_MODEL_TYPES, native_module
 
     head = getattr(model, "lm_head", None)
     if getattr(model.config, "model_type", None) not in LEAN_MODEL_TYPES or "forward" in vars(model):
+        return None
+    if is_tensor_parallel(model):  # a tensor-parallel head gathers its output across ranks
         return None
     if type(head) is not nn.Linear or not isinstance(getattr(model, "model", None), nn.Module):
         return None
@@ -206,7 +209,8 @@ def target_step(model: nn.Module) -> Any:
     """The target's verification chunks through the draft's native layers (:class:`~.lean.LeanStep` with float32
     K/V over a growing cache; one C++ call for all decoder layers instead of ~30 module calls, ~12% of a 4 x 13 chunk
     on SmolLM2), or ``None`` where they do not apply: the lean architectures with native layers for this model
-    (float32 on the CPU, projections and MLPs they know), no hooks, ``forward`` not replaced on the instance."""
+    (float32 on the CPU, projections and MLPs they know), no hooks, no tensor-parallel shards, ``forward`` not
+    replaced on the instance."""
     from .lean import LeanStep
 
     if "forward" in vars(model):
