@@ -23,7 +23,7 @@ modules as below.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -68,6 +68,12 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Transformers' RMSNorm: normalise in fp32, cast back, scale by the weight. ``x [..., C]``."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
+
+
+def has_hooks(modules: Iterable[nn.Module]) -> bool:
+    """Whether any of ``modules`` carries forward (pre-)hooks or an accelerate hook: those must see the model's own
+    forward, so the lean paths stay off."""
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in modules)
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -326,7 +332,7 @@ class LeanStep:
                 return None
             if not (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)):
                 return None
-        if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()):
+        if has_hooks(model.modules()):
             return None  # hooks (accelerate offload, user hooks) must see the model's own forward
         if is_tensor_parallel(model):
             return None  # tensor-parallel shards: the model's own forward does the collectives

@@ -179,7 +179,7 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
     forward not replaced on the instance, no hooks), the head a float32 ``nn.Linear`` on the CPU, and the W8A16
     kernel (AVX-512 VNNI build of the draft's native layers) available for its width; not under tensor parallelism."""
     from ..dispatch import is_tensor_parallel
-    from .lean import LEAN_MODEL_TYPES, native_module
+    from .lean import LEAN_MODEL_TYPES, has_hooks, native_module
 
     head = getattr(model, "lm_head", None)
     if getattr(model.config, "model_type", None) not in LEAN_MODEL_TYPES or "forward" in vars(model):
@@ -191,7 +191,7 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
     weight = head.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
         return None
-    if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in (model, head)):
+    if has_hooks((model, head)):
         return None
     key = (weight.data_ptr(), weight._version)
     cached = _SCREENS.get(head)
