@@ -367,24 +367,32 @@ class _Loop:
             self.streamer.put(torch.tensor(tokens[:kept]))
         self.stats.tokens += kept
 
-    def _budgets(self, active: list[int]) -> list[int]:
-        budgets = self.strategy.k.budgets()
+    def _rooms(self, active: list[int]) -> list[int]:
+        """Draft tokens each row may still take: what ``max_length`` leaves after this step's own token."""
         prompt_len = self.rows.prompt.shape[1]
-        out = []
-        for b, row in zip(budgets, active, strict=True):
-            room = self.config.max_length - (prompt_len + len(self.rows.generated[row])) - 1
-            out.append(max(0, min(b, room)))
-        return out
+        return [max(0, self.config.max_length - (prompt_len + len(self.rows.generated[r])) - 1) for r in active]
+
+    @staticmethod
+    def _widen(budgets: list[int], rooms: list[int]) -> list[int]:
+        """Every drafting row's budget raised to the widest one (within its room): the verification chunk is as
+        wide as its widest row and computes the narrower rows' padding anyway, and a model draft feeds the whole
+        batch until its widest row is done, so the extra guesses cost nothing and may be accepted. Rows not drafting
+        this step (budget 0: paused, finished) stay at 0."""
+        widest = max(budgets, default=0)
+        return [min(widest, room) if b > 0 else 0 for b, room in zip(budgets, rooms, strict=True)]
 
     def _step(self, ragged: RaggedCache, active: list[int]) -> list[int]:
         rows, policy = self.rows, self.policy
         t0 = time.perf_counter()
         live = [not rows.done[r] for r in active]  # finished rows still in the batch feed holes only
-        budgets = [b if alive else 0 for b, alive in zip(self._budgets(active), live, strict=True)]
+        rooms = self._rooms(active)
+        ks = self.strategy.k.budgets()
+        budgets = [min(b, room) if alive else 0 for b, room, alive in zip(ks, rooms, live, strict=True)]
         shadowed = policy is not None and self.strategy.shadow
         if policy is not None and not shadowed:  # a model draft costs work: decide before it drafts
             k = policy.choose(budgets, producing=sum(live))
             budgets = [min(b, k) for b in budgets]
+        budgets = self._widen(budgets, rooms)
         # asked even with all-zero budgets, so stateful strategies see every step (they return empty proposals)
         proposals = self.strategy.propose([rows.sequence(r) for r in active], budgets)
         t1 = time.perf_counter()
