@@ -412,15 +412,16 @@ class _Loop:
             chunk[i, 1 : 1 + n] = p.tokens[:n]
             valid[i, : 1 + n] = live[i]
         with torch.no_grad():
-            if self.screen is not None:
+            logits = picked = None
+            if self.screen is not None:  # the argmax of each real position, without forming the logits
                 hidden = ragged.feed(chunk.to(device), valid.to(device), hidden=True)  # [Ba, W, E]
-                logits = torch.zeros(len(active), width, dtype=torch.long)  # the argmax of each real position
-                logits[valid] = self.screen.argmax(hidden[valid.to(device)].float()).cpu()
+                picked = torch.zeros(len(active), width, dtype=torch.long)  # [Ba, W]
+                picked[valid] = self.screen.argmax(hidden[valid.to(device)].float()).cpu()
             else:
                 logits = ragged.feed(chunk.to(device), valid.to(device)).float()  # [Ba, W, V]
         self.stats.target_forwards += 1
         self.stats.row_forwards += sum(live)
-        verdicts = self._verify(active, proposals, lens, logits, live)
+        verdicts = self._verify(active, proposals, lens, logits, live, picked)
         self.stats.verify_s += time.perf_counter() - t1
         drop, accepted = [], []
         for i, (row, v, n) in enumerate(zip(active, verdicts, lens, strict=True)):
@@ -470,13 +471,20 @@ class _Loop:
         self.last = [self.last[i] for i in keep]
 
     def _verify(
-        self, active: list[int], proposals: list[Proposal], lens: list[int], logits: torch.Tensor, live: list[bool]
+        self,
+        active: list[int],
+        proposals: list[Proposal],
+        lens: list[int],
+        logits: torch.Tensor | None,
+        live: list[bool],
+        picked: torch.Tensor | None = None,
     ) -> list[Verdict | None]:
         """Verdicts per row (``None`` for finished rows); also leaves per row the (scores, logits) of each chunk
-        position in ``_scores``. With the screened head, ``logits`` is ``[Ba, W]``: each position's argmax."""
+        position in ``_scores``. ``logits [Ba, W, V]``: the chunk's logits; or ``None`` with ``picked [Ba, W]``,
+        each position's argmax from the screened head (greedy, no processors: no scores to keep)."""
         fast = not self.sampling and not self.processors
-        if self.screen is not None:
-            greedy = logits  # [Ba, W]
+        if picked is not None:
+            greedy = picked  # [Ba, W]
         elif fast:
             greedy = logits.argmax(-1).cpu()  # [Ba, W]
         verdicts: list[Verdict | None] = []
@@ -487,7 +495,7 @@ class _Loop:
                 self._scores.append([])
                 continue
             drafts = p.tokens[:n]
-            if self.screen is not None:
+            if picked is not None:
                 verdicts.append(verify_greedy(drafts, greedy[i, : n + 1]))
                 self._scores.append([_NO_SCORES] * (n + 1))
                 continue
