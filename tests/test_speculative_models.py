@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -824,6 +825,50 @@ def test_w8a16_kernel_matches_its_reference(rows, features, outputs):
     bound = half_step @ (qw.qweight.double().abs() * qw.scale.double()).T  # [M, N]
     error = (got.double() - x.double() @ dequantize(qw).double().T).abs()
     assert (error <= bound + 2e-6 * scale).all()
+
+
+@_NATIVE
+@pytest.mark.parametrize("isa", ["widest", "avx2"])
+@pytest.mark.parametrize(
+    ("rows", "features", "outputs"), [(1, 64, 4), (3, 576, 7), (4, 1536, 12), (13, 96, 33), (32, 16, 5)]
+)
+def test_native_float_linear_matches_the_exact_product(isa, rows, features, outputs):
+    """The native layers' float projection of narrow chunks (weight read in place, sums in vector lanes) against the
+    float64 product: within float32's summation bound, for row counts with and without a remainder of the row
+    tiles and output counts with and without one of the 4-row weight tiles."""
+    module = native_module({16}, isa=None if isa == "widest" else isa)
+    if module is None:
+        pytest.skip("no AVX2 build of the native layers here")
+    gen = torch.Generator().manual_seed(rows * features + outputs)
+    x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)
+    w = torch.randn(outputs, features, generator=gen)
+    assert module.float_linear_fits(x, w)
+    got = module.float_linear(x, w)  # [M, N]
+    exact = x.double() @ w.double().T
+    # sequential sums over K / lanes steps per lane, then the lanes' reduction: gamma_n of n = K / 8 + 4 additions
+    # (8: AVX2's lanes, the longest chains) times sum |x_k w_k|, float32's unit roundoff 2**-24
+    n = features // 8 + 4
+    bound = n * 2.0**-24 / (1 - n * 2.0**-24) * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@_NATIVE
+def test_native_float_linear_leaves_wide_or_odd_products_to_torch():
+    """Past 32 rows (MKL's GEMM is as fast there), a width that is not a multiple of the lanes, a non-contiguous or
+    non-float32 weight: the layers use ``at::linear`` (``float_linear_fits`` is false), and a direct call says why."""
+    module = native_module({16})
+    w = torch.randn(8, 64)
+    assert module.float_linear_fits(torch.randn(32, 64), w)
+    assert not module.float_linear_fits(torch.randn(33, 64), w)
+    assert not module.float_linear_fits(torch.randn(2, 20), torch.randn(8, 20))
+    assert not module.float_linear_fits(torch.randn(2, 64), torch.randn(64, 8).T)
+    assert not module.float_linear_fits(torch.randn(2, 64), w.double())
+    lanes = 16 if module.isa() == "AVX-512" else 8
+    message = (
+        f"float_linear: needs float32 x [M <= 32, K] and a contiguous float32 weight [N, K], K a multiple of {lanes}"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        module.float_linear(torch.randn(33, 64), w)
 
 
 @_VNNI
