@@ -15,7 +15,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 import hf_accel
 from hf_accel import IncompatibleOptionsError
 from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
-from hf_accel.speculative.growing import to_growing
+from hf_accel.speculative.growing import growing_cache, to_growing
 from hf_accel.speculative.lean import LeanStep, NativeLayers, native_module
 from hf_accel.speculative.ragged import RaggedCache
 from hf_accel.speculative.strategies import Proposal
@@ -266,6 +266,37 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
             assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5, name="keys")
             assert_close(a.values, b.values, atol=1e-5, rtol=1e-5, name="values")
         assert torch.equal(lean.mask, ragged.mask)
+
+
+@_NATIVE
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "fused"])
+@pytest.mark.parametrize("lengths", [[70, 66, 41], [9, 5, 7]])  # PyTorch's fused attention inside, and the own kernel
+def test_native_prompt_matches_the_model_forward(arch, lengths):
+    """A float model's prompt through the native layers (a target's prefill): the last position's logits and every
+    real column's K/V as the model's own forward leaves them, over left padding (a row padded by 29 columns, whose
+    padding queries see nothing); then a verification-sized chunk over both caches agrees too. An int8 copy's prompt
+    keeps the model's forward."""
+    model = _lean_draft("qwen3" if arch == "fused" else arch, "fused" if arch == "fused" else False)
+    step = LeanStep.build(model, kv_dtype=torch.float32)
+    ids, mask = random_batch(3, lengths, seed=11)
+    with torch.no_grad():
+        native = RaggedCache(model, growing_cache(model.config), mask, step)
+        assert step.takes_prompt(native.cache)
+        plain = RaggedCache(model, DynamicCache(config=model.config), mask)
+        got, expected = native.feed(ids, prefix=True, last=1), plain.feed(ids, prefix=True, last=1)  # [3, 1, V]
+        assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} prompt logits")  # fp32: op order only
+        real = mask.bool()
+        for a, b in zip(native.cache.layers, plain.cache.layers, strict=True):
+            assert a.keys.shape == b.keys.shape
+            # [B, H_kv, T, D] at the real columns (padding columns are never read)
+            assert_close(a.keys.transpose(1, 2)[real], b.keys.transpose(1, 2)[real], atol=1e-5, rtol=1e-5, name="keys")
+            assert_close(a.values.transpose(1, 2)[real], b.values.transpose(1, 2)[real], atol=1e-5, rtol=1e-5, name="v")
+            assert bool(torch.isfinite(a.keys).all() and torch.isfinite(a.values).all())
+        chunk = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+        got, expected = native.feed(chunk), plain.feed(chunk)  # [3, 3, V]
+        assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} chunk logits")
+    draft = _lean_draft("llama", True)
+    assert not LeanStep.build(draft).takes_prompt(growing_cache(draft.config))  # int8 projections
 
 
 def test_lean_draft_step_applies_only_where_it_knows_the_model():

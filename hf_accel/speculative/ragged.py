@@ -33,9 +33,9 @@ class RaggedCache:
         cache: a Transformers ``Cache`` (``DynamicCache``) or a ``PagedCache``, possibly holding a cached prefix.
         mask: ``[B, T0]`` the layout of what the cache will hold after the first :meth:`feed` (the prompt's
             padding mask); the first feed passes the tokens the cache lacks.
-        step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens (not prompts) instead of the model's forward (a
-            draft's :class:`~.lean.LeanStep`, or the target's for its verification chunks); not with a
-            ``PagedCache``.
+        step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens instead of the model's forward (a draft's
+            :class:`~.lean.LeanStep`, or the target's for its verification chunks), and prompts too where it has a
+            ``takes_prompt(cache)`` that says so; not with a ``PagedCache``.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class RaggedCache:
             mask = torch.cat([self.mask, chunk.to(self.mask.device)], 1)
         before = (mask[:, : mask.shape[1] - ids.shape[1]]).sum(1, keepdim=True)  # [B, 1] real tokens already in
         pos = (before + chunk.cumsum(1) - 1).clamp_min(0)  # [B, C] each real token's index in its row
-        if self.step is not None and ids.shape[1] <= LEAN_MAX_WIDTH and not prefix:
+        if self.step is not None and self._steps(ids.shape[1], prefix):
             out = self.step(ids, mask, pos, self.cache, last=last, hidden=hidden)  # [B, C or last, V or E]
             self.mask = mask
             return out
@@ -105,6 +105,13 @@ class RaggedCache:
         )
         self.mask = mask
         return out.logits
+
+    def _steps(self, width: int, prefix: bool) -> bool:
+        """Whether ``step`` runs a chunk: up to ``LEAN_MAX_WIDTH`` tokens, or a prompt where the step takes one."""
+        if prefix:
+            takes = getattr(self.step, "takes_prompt", None)
+            return takes is not None and bool(takes(self.cache))
+        return width <= LEAN_MAX_WIDTH
 
     def rollback(self, drop: Sequence[int]) -> None:
         """Forget the last ``drop[i]`` real tokens of each row, then crop the layout to the longest row."""

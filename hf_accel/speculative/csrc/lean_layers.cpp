@@ -18,6 +18,7 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #include "int8_traits.h"
 #ifdef __AVX512F__
@@ -182,38 +183,46 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return y;
 }
 
+// Rows per thread at least for the row-wise passes (norms, rotations): a step's few rows stay on the calling thread, a
+// prompt's thousands are split.
+constexpr int64_t kRowGrain = 64;
+
 // y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) over rows of length n (in place allowed); the sum of squares in
 // vector lanes (a serial scalar sum is a 4-cycle chain per element: ~2 ms of a 52-row chunk's 60 norms).
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
-    typename V::F acc = V::zero();
-    int64_t i = 0;
-    for (; i + V::kLanes <= n; i += V::kLanes) {
-      const typename V::F v = V::load(xr + i);
-      acc = V::fma(v, v, acc);
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * n;
+      float* yr = y + r * n;
+      typename V::F acc = V::zero();
+      int64_t i = 0;
+      for (; i + V::kLanes <= n; i += V::kLanes) {
+        const typename V::F v = V::load(xr + i);
+        acc = V::fma(v, v, acc);
+      }
+      float ss = V::sum(acc);
+      for (; i < n; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      for (i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
     }
-    float ss = V::sum(acc);
-    for (; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-    for (i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
-  }
+  });
 }
 
 // Half-split rotary embedding of every head of x [M, heads, D] in place; cos / sin [M, D].
 void rotate(float* x, const float* cos, const float* sin, int64_t M, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  std::vector<float> tmp(D);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + (m * heads + h) * D;
-      const float* c = cos + m * D;
-      const float* s = sin + m * D;
-      for (int64_t d = 0; d < half; ++d) tmp[d] = v[d] * c[d] - v[d + half] * s[d];
-      for (int64_t d = half; d < D; ++d) tmp[d] = v[d] * c[d] + v[d - half] * s[d];
-      std::copy(tmp.begin(), tmp.end(), v);
-    }
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + (m * heads + h) * D;
+        const float* c = cos + m * D;
+        const float* s = sin + m * D;
+        for (int64_t d = 0; d < half; ++d) tmp[d] = v[d] * c[d] - v[d + half] * s[d];
+        for (int64_t d = half; d < D; ++d) tmp[d] = v[d] * c[d] + v[d - half] * s[d];
+        std::copy(tmp.begin(), tmp.end(), v);
+      }
+  });
 }
 
 // act [M, I] = silu(gate) * up, rows of gate / up strided by ld_gate / ld_up; vectorised, and split over threads for
@@ -344,6 +353,34 @@ void attend(const float* q, const KV* keys, const KV* values, const bool* allowe
   });
 }
 
+// From this chunk width on (a prompt) attention runs PyTorch's fused CPU attention: `attend` computes every query
+// against every column, one query at a time, which suits the few columns of a step or a verification only.
+constexpr int64_t kWideChunk = 64;
+
+// attend() for a wide chunk: at::scaled_dot_product_attention over the buffers' first T columns (float16 K/V read as
+// float32). A query that may see no column (a left-padding position) sees its own instead: its output is never read
+// (nothing attends to a padding column) but must stay finite, which a fully masked query's would not.
+// q [B*C, H*D]; kp / vp [B, H_kv, cap, D]; mask [B, C, T]; attn [B*C, H*D].
+template <typename KV>
+void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& mask, torch::Tensor& attn, int64_t B,
+                 int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D,
+                 float scaling) {
+  const auto options = q.options().dtype(std::is_same_v<KV, float> ? torch::kFloat : torch::kHalf);
+  auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);  // [B, H_kv, T, D]
+  auto values = torch::from_blob(vp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
+  auto allowed = mask;  // [B, C, T]
+  const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
+  if (blind.any().item<bool>()) {
+    const auto where = blind.nonzero();  // [n, 2] (row, column)
+    allowed = allowed.clone();
+    allowed.index_put_({where.select(1, 0), where.select(1, 1), where.select(1, 1) + used}, true);
+  }
+  const auto queries = q.view({B, C, heads, D}).transpose(1, 2);  // [B, H, C, D]
+  const auto out = at::scaled_dot_product_attention(queries, keys, values, allowed.unsqueeze(1), 0.0, false, scaling,
+                                                    /*enable_gqa=*/heads != kv_heads);  // [B, H, C, D]
+  attn.view({B, C, heads, D}).copy_(out.transpose(1, 2));
+}
+
 // The chunk's K/V (k / v [M, H_kv*D] float32) into columns [used, used + C) of the layer's buffers kp / vp
 // [B, H_kv, cap, D], then attention of q [M, H*D] over them into attn [M, H*D].
 template <typename KV>
@@ -358,6 +395,10 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
       store_kv(k.data_ptr<float>() + (m * kv_heads + g) * D, kp + at, D);
       store_kv(v.data_ptr<float>() + (m * kv_heads + g) * D, vp + at, D);
     }
+  }
+  if (C >= kWideChunk) {
+    attend_wide(q, kp, vp, mask, attn, B, C, T, used, cap, heads, kv_heads, D, scaling);
+    return;
   }
   attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads, kv_heads, D,
          scaling);
