@@ -270,15 +270,24 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
 
 @_NATIVE
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "fused"])
-@pytest.mark.parametrize("lengths", [[70, 66, 41], [9, 5, 7]])  # PyTorch's fused attention inside, and the own kernel
-def test_native_prompt_matches_the_model_forward(arch, lengths):
+@pytest.mark.parametrize(
+    ("lengths", "hole"),
+    [
+        ([70, 66, 41], False),  # PyTorch's causal attention per row over its real columns
+        ([70, 66, 41], True),  # a hole inside a prompt: one masked call
+        ([9, 5, 7], False),  # narrow: the layers' own attention kernel
+    ],
+)
+def test_native_prompt_matches_the_model_forward(arch, lengths, hole):
     """A float model's prompt through the native layers (a target's prefill): the last position's logits and every
     real column's K/V as the model's own forward leaves them, over left padding (a row padded by 29 columns, whose
-    padding queries see nothing); then a verification-sized chunk over both caches agrees too. An int8 copy's prompt
-    keeps the model's forward."""
+    padding queries see nothing) and a hole; then a verification-sized chunk over both caches agrees too. An int8
+    copy's prompt keeps the model's forward."""
     model = _lean_draft("qwen3" if arch == "fused" else arch, "fused" if arch == "fused" else False)
     step = LeanStep.build(model, kv_dtype=torch.float32)
     ids, mask = random_batch(3, lengths, seed=11)
+    if hole:
+        mask[0, 20] = 0
     with torch.no_grad():
         native = RaggedCache(model, growing_cache(model.config), mask, step)
         assert step.takes_prompt(native.cache)

@@ -1,11 +1,13 @@
-// The decoder layers of a Llama-family draft for a short chunk, in one native call (hf_accel/speculative/lean.py).
+// The decoder layers of a Llama-family model in one native call (hf_accel/speculative/lean.py): a speculative draft's
+// steps and catch-ups, a target's verification chunks and prompts.
 //
 // A draft step at SmolLM2's size is mostly per-operator overhead when each layer runs as ~25 PyTorch calls
 // (~250 us per layer against ~200 us of int8 maths). Here every layer runs in C++: RMSNorm, the q/k/v/o and
 // MLP projections (int8 weights through hf_accel's int8 kernel; float weights through float_linear below for
 // narrow chunks, at::linear for wide ones), optional per-head q/k norms (qwen3), the half-split rotary embedding,
 // the K/V write into the cache's spare capacity (float32, or float16 to halve what later steps read back),
-// attention over the ragged mask (grouped heads read their shared K/V head in place) and SiLU-gated MLP. Same maths as the layers' modules in fp32 (float32 K/V, weight-only int8);
+// attention over the ragged mask (grouped heads read their shared K/V head in place; PyTorch's fused attention for a
+// prompt-wide chunk) and SiLU-gated MLP. Same maths as the layers' modules in fp32 (float32 K/V, weight-only int8);
 // only the rounding order differs.
 //
 // Compiled three times (lean_layers / lean_layers_avx512 / lean_layers_vnni): int8 weights use the widest
@@ -143,8 +145,8 @@ bool dot_fits(const torch::Tensor& x, const torch::Tensor& weight) {
 
 // x [M, K] float32 @ weight [N, K]^T (see kDotMaxRows); K a multiple of the lanes.
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(dot_fits(x, weight), "float_linear: needs float32 x [M <= ", kDotMaxRows, ", K] and a contiguous float32 ",
-              "weight [N, K], K a multiple of ", V::kLanes);
+  TORCH_CHECK(dot_fits(x, weight), "float_linear: needs float32 x [M <= ", kDotMaxRows,
+              ", K] and a contiguous float32 weight [N, K], K a multiple of ", V::kLanes);
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0);
   auto y = torch::empty({M, N}, xc.options());
@@ -357,17 +359,49 @@ void attend(const float* q, const KV* keys, const KV* values, const bool* allowe
 // against every column, one query at a time, which suits the few columns of a step or a verification only.
 constexpr int64_t kWideChunk = 64;
 
+// Left padding of each row where `mask` [B, C, T] is exactly a prompt's layout on an empty cache (row b: padding in
+// its first pads[b] columns, causal over the rest), else empty: such a prompt's attention runs per row over its real
+// columns with PyTorch's causal kernel, which skips the masked half (an explicit mask makes it compute every block).
+std::vector<int64_t> left_pads(const torch::Tensor& mask, int64_t used) {
+  const int64_t B = mask.size(0), C = mask.size(1), T = mask.size(2);
+  if (used != 0 || C != T) return {};
+  const auto pads = T - mask.select(1, C - 1).sum(-1);  // [B] the last query sees every real column
+  const auto cols = torch::arange(T, pads.options());
+  const auto causal = cols.unsqueeze(0) <= cols.unsqueeze(1);  // [C, T]
+  const auto real = cols.unsqueeze(0) >= pads.unsqueeze(1);  // [B, T]
+  if (!torch::equal(mask, causal.unsqueeze(0).logical_and(real.unsqueeze(1)))) return {};
+  const auto p = pads.contiguous();
+  return std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + B);
+}
+
 // attend() for a wide chunk: at::scaled_dot_product_attention over the buffers' first T columns (float16 K/V read as
-// float32). A query that may see no column (a left-padding position) sees its own instead: its output is never read
-// (nothing attends to a padding column) but must stay finite, which a fully masked query's would not.
+// float32). With `pads` (left_pads) each row runs causally over its real columns, its padding queries get zeros;
+// otherwise one masked call, in which a query that may see no column (a left-padding position) sees its own: its
+// output is never read (nothing attends to a padding column) but must stay finite, as a fully masked query's is not.
 // q [B*C, H*D]; kp / vp [B, H_kv, cap, D]; mask [B, C, T]; attn [B*C, H*D].
 template <typename KV>
-void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& mask, torch::Tensor& attn, int64_t B,
-                 int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D,
-                 float scaling) {
+void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& mask, const std::vector<int64_t>& pads,
+                 torch::Tensor& attn, int64_t B, int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads,
+                 int64_t kv_heads, int64_t D, float scaling) {
   const auto options = q.options().dtype(std::is_same_v<KV, float> ? torch::kFloat : torch::kHalf);
-  auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);  // [B, H_kv, T, D]
+  // [B, H_kv, T, D] each
+  auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
   auto values = torch::from_blob(vp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
+  const auto queries = q.view({B, C, heads, D}).transpose(1, 2);  // [B, H, C, D]
+  auto out = attn.view({B, C, heads, D});
+  const bool gqa = heads != kv_heads;
+  if (!pads.empty()) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = pads[b];
+      out[b].narrow(0, 0, p).zero_();
+      if (p == T) continue;
+      const auto row = [&](const torch::Tensor& t) { return t.narrow(0, b, 1).narrow(2, p, T - p); };
+      const auto o = at::scaled_dot_product_attention(row(queries), row(keys), row(values), {}, 0.0, true, scaling,
+                                                      gqa);  // [1, H, C - p, D]
+      out[b].narrow(0, p, T - p).copy_(o[0].transpose(0, 1));
+    }
+    return;
+  }
   auto allowed = mask;  // [B, C, T]
   const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
   if (blind.any().item<bool>()) {
@@ -375,18 +409,18 @@ void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& ma
     allowed = allowed.clone();
     allowed.index_put_({where.select(1, 0), where.select(1, 1), where.select(1, 1) + used}, true);
   }
-  const auto queries = q.view({B, C, heads, D}).transpose(1, 2);  // [B, H, C, D]
-  const auto out = at::scaled_dot_product_attention(queries, keys, values, allowed.unsqueeze(1), 0.0, false, scaling,
-                                                    /*enable_gqa=*/heads != kv_heads);  // [B, H, C, D]
-  attn.view({B, C, heads, D}).copy_(out.transpose(1, 2));
+  const auto o = at::scaled_dot_product_attention(queries, keys, values, allowed.unsqueeze(1), 0.0, false, scaling,
+                                                  gqa);  // [B, H, C, D]
+  out.copy_(o.transpose(1, 2));
 }
 
 // The chunk's K/V (k / v [M, H_kv*D] float32) into columns [used, used + C) of the layer's buffers kp / vp
 // [B, H_kv, cap, D], then attention of q [M, H*D] over them into attn [M, H*D].
 template <typename KV>
 void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, KV* kp, KV* vp,
-                      const torch::Tensor& mask, torch::Tensor& attn, int64_t B, int64_t C, int64_t T, int64_t used,
-                      int64_t cap, int64_t heads, int64_t kv_heads, int64_t D, float scaling) {
+                      const torch::Tensor& mask, const std::vector<int64_t>& pads, torch::Tensor& attn, int64_t B,
+                      int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D,
+                      float scaling) {
   const int64_t M = B * C;
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / C, col = used + m % C;
@@ -397,7 +431,7 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
     }
   }
   if (C >= kWideChunk) {
-    attend_wide(q, kp, vp, mask, attn, B, C, T, used, cap, heads, kv_heads, D, scaling);
+    attend_wide(q, kp, vp, mask, pads, attn, B, C, T, used, cap, heads, kv_heads, D, scaling);
     return;
   }
   attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads, kv_heads, D,
@@ -428,6 +462,7 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
   const int64_t D = cs.size(1);
   auto normed = torch::empty_like(x);
   auto attn = torch::empty({M, heads * D}, x.options());
+  const auto pads = C >= kWideChunk ? left_pads(mask, used) : std::vector<int64_t>();
   for (size_t l = 0; l < params.size(); ++l) {
     const auto& p = params[l];
     TORCH_CHECK(p.size() == kParams, "lean layers: layer ", l, " has ", p.size(), " parameters, expected ", kParams);
@@ -451,11 +486,11 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
     TORCH_CHECK((half || kb.scalar_type() == torch::kFloat) && vb.scalar_type() == kb.scalar_type(),
                 "lean layers: layer ", l, ": K/V buffers must both be float32 or both float16");
     if (half)
-      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, attn, B, C, T, used, cap, heads,
-                       kv_heads, D, static_cast<float>(scaling));
+      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, pads, attn, B, C, T, used, cap,
+                       heads, kv_heads, D, static_cast<float>(scaling));
     else
-      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, attn, B, C, T, used, cap, heads,
-                       kv_heads, D, static_cast<float>(scaling));
+      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, pads, attn, B, C, T, used, cap,
+                       heads, kv_heads, D, static_cast<float>(scaling));
     x.add_(project(attn, p, kO, mode));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
