@@ -17,7 +17,8 @@ Native path (:class:`NativeLayers`, ``csrc/lean_layers.cpp``): on a CPU with AVX
 whose projections are ``nn.Linear`` or weight-only ``Int8Linear``, SiLU-gated MLPs, one RMSNorm epsilon and a
 cache of :class:`~.growing.GrowingLayer` layers, all decoder layers of a step run in one native call (the per-layer
 Python and dispatcher work, ~250 us a layer, is most of an int8 draft step otherwise). Anything else runs the
-modules as below.
+modules as below. A speculative target uses the same path for its verification chunks and, with float projections
+only, for its prompt (:meth:`LeanStep.takes_prompt`).
 """
 
 from __future__ import annotations

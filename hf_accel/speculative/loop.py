@@ -206,9 +206,9 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
 
 
 def target_step(model: nn.Module) -> Any:
-    """The target's verification chunks through the draft's native layers (:class:`~.lean.LeanStep` with float32
-    K/V over a growing cache; one C++ call for all decoder layers instead of ~30 module calls, ~12% of a 4 x 13 chunk
-    on SmolLM2), or ``None`` where they do not apply: the lean architectures with native layers for this model
+    """The target's verification chunks and prompt through the draft's native layers (:class:`~.lean.LeanStep` with
+    float32 K/V over a growing cache; one C++ call for all decoder layers instead of ~30 module calls, ~12% of a 4 x 13
+    chunk on SmolLM2), or ``None`` where they do not apply: the lean architectures with native layers for this model
     (float32 on the CPU, projections and MLPs they know), no hooks, no tensor-parallel shards, ``forward`` not
     replaced on the instance."""
     from .lean import LeanStep
