@@ -308,6 +308,25 @@ def test_native_prompt_matches_the_model_forward(arch, lengths, hole):
     assert not LeanStep.build(draft).takes_prompt(growing_cache(draft.config))  # int8 projections
 
 
+@_NATIVE
+def test_native_prompt_of_a_float_draft_keeps_float16_keys_and_values():
+    """A float draft's own prompt (float16 K/V by default) through the native layers: logits within float16's
+    rounding of the model's forward, same argmax, and the cache holds float16 K/V."""
+    model = _lean_draft("llama", False)
+    step = LeanStep.build(model)
+    assert step.native.kv_dtype == torch.float16
+    ids, mask = random_batch(3, [70, 66, 41], seed=12)
+    with torch.no_grad():
+        native = RaggedCache(model, growing_cache(model.config), mask, step)
+        assert step.takes_prompt(native.cache)
+        got = native.feed(ids, prefix=True, last=1)  # [3, 1, V]
+        expected = RaggedCache(model, DynamicCache(config=model.config), mask).feed(ids, prefix=True, last=1)
+    # float16 keeps 11 significant bits of every key and value
+    assert_close(got, expected, atol=float(5e-3 * expected.abs().max()), rtol=0, name="float16 K/V prompt logits")
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert all(layer.keys.dtype == torch.float16 for layer in native.cache.layers)
+
+
 def test_lean_draft_step_applies_only_where_it_knows_the_model():
     assert LeanStep.build(tiny_model("gemma")) is None  # (1 + w) norms, scaled embeddings
     assert LeanStep.build(tiny_model("phi3")) is None  # fused projections
