@@ -16,7 +16,7 @@ import hf_accel
 from hf_accel import IncompatibleOptionsError
 from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
 from hf_accel.speculative.growing import growing_cache, to_growing
-from hf_accel.speculative.lean import LeanStep, NativeLayers, native_module
+from hf_accel.speculative.lean import PROMPT_MASK_CELLS, LeanStep, NativeLayers, native_module
 from hf_accel.speculative.ragged import RaggedCache
 from hf_accel.speculative.strategies import Proposal
 
@@ -290,7 +290,7 @@ def test_native_prompt_matches_the_model_forward(arch, lengths, hole):
         mask[0, 20] = 0
     with torch.no_grad():
         native = RaggedCache(model, growing_cache(model.config), mask, step)
-        assert step.takes_prompt(native.cache)
+        assert step.takes_prompt(native.cache, mask.numel() * mask.shape[1])
         plain = RaggedCache(model, DynamicCache(config=model.config), mask)
         got, expected = native.feed(ids, prefix=True, last=1), plain.feed(ids, prefix=True, last=1)  # [3, 1, V]
         assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} prompt logits")  # fp32: op order only
@@ -305,7 +305,8 @@ def test_native_prompt_matches_the_model_forward(arch, lengths, hole):
         got, expected = native.feed(chunk), plain.feed(chunk)  # [3, 3, V]
         assert_close(got, expected, atol=2e-5, rtol=1e-5, name=f"{arch} chunk logits")
     draft = _lean_draft("llama", True)
-    assert not LeanStep.build(draft).takes_prompt(growing_cache(draft.config))  # int8 projections
+    assert not LeanStep.build(draft).takes_prompt(growing_cache(draft.config), 1)  # int8 projections
+    assert not step.takes_prompt(growing_cache(model.config), PROMPT_MASK_CELLS + 1)  # a mask too large
 
 
 @_NATIVE
@@ -318,7 +319,7 @@ def test_native_prompt_of_a_float_draft_keeps_float16_keys_and_values():
     ids, mask = random_batch(3, [70, 66, 41], seed=12)
     with torch.no_grad():
         native = RaggedCache(model, growing_cache(model.config), mask, step)
-        assert step.takes_prompt(native.cache)
+        assert step.takes_prompt(native.cache, mask.numel() * mask.shape[1])
         got = native.feed(ids, prefix=True, last=1)  # [3, 1, V]
         expected = RaggedCache(model, DynamicCache(config=model.config), mask).feed(ids, prefix=True, last=1)
     # float16 keeps 11 significant bits of every key and value

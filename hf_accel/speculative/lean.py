@@ -61,6 +61,9 @@ W8A8_MIN_WIDTH = 6
 #: SmolLM2's 30 layers with distinct int8 weights, ms at 1 / 2 / 4 rows: weight-only 4.4 / 6.8 / 7.4, W8A16
 #: 4.8 / 4.9 / 6.4; the head 0.68 / 1.37 / 1.41 against 0.83 / 0.74 / 0.83)
 W8A16_MIN_ROWS = 2
+#: Largest prompt mask (rows x prompt tokens x columns, one byte each) the native layers take (64 MiB: a batch of 4
+#: prompts of 4096 tokens)
+PROMPT_MASK_CELLS = 1 << 26
 #: How the native layers run the int8 projections (``csrc/lean_layers.cpp``'s ``Mode``)
 WEIGHT_ONLY, W8A16, W8A8 = 0, 1, 2
 
@@ -181,10 +184,10 @@ class NativeLayers:
         self.module, self.params, self.eps, self.scaling = module, params, eps, scaling
         self.heads, self.kv_heads, self.head_dim = kv
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
-        #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
-        #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
         #: every projection is float (a target, a float draft): prompts may run here too (:meth:`LeanStep.takes_prompt`)
         self.float_only = not int8
+        #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
+        #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
         self.w8a16 = bool(int8) and module.vnni()
         self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
         #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
@@ -341,13 +344,16 @@ class LeanStep:
             return None  # tensor-parallel shards: the model's own forward does the collectives
         return LeanStep(model, native, kv_dtype)
 
-    def takes_prompt(self, cache: Any) -> bool:
+    def takes_prompt(self, cache: Any, cells: int) -> bool:
         """Whether a prompt over ``cache`` may run here rather than through the model's forward: native layers with
         float projections only (a target; an int8 draft's prompt keeps its modules' weight-only maths) that serve
-        ``cache``. Wide chunks run PyTorch's fused attention inside the native call, and the norms, rotations and
-        SiLU-gated products are fused passes instead of ~10 elementwise operators a layer (one-off: ~0.3 s of the
-        forward of four 447-token prompts through SmolLM2, a fifth of it, went to those operators)."""
-        return self.native is not None and self.native.float_only and self.native.serves(cache)
+        ``cache``, and a mask of ``cells`` = rows x prompt tokens x columns of at most ``PROMPT_MASK_CELLS`` (the
+        native call takes the mask as a boolean tensor; a longer prompt runs the model's forward, whose attention
+        need not build one). Wide chunks run PyTorch's fused attention inside the native call, and the norms,
+        rotations and SiLU-gated products are fused passes instead of ~10 elementwise operators a layer (one-off:
+        ~0.3 s of the forward of four 447-token prompts through SmolLM2, a fifth of it, went to those operators)."""
+        fits = cells <= PROMPT_MASK_CELLS
+        return fits and self.native is not None and self.native.float_only and self.native.serves(cache)
 
     def __call__(
         self,

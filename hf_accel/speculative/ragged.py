@@ -35,7 +35,7 @@ class RaggedCache:
             padding mask); the first feed passes the tokens the cache lacks.
         step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens instead of the model's forward (a draft's
             :class:`~.lean.LeanStep`, or the target's for its verification chunks), and prompts too where it has a
-            ``takes_prompt(cache)`` that says so; not with a ``PagedCache``.
+            ``takes_prompt(cache, mask cells)`` that says so; not with a ``PagedCache``.
     """
 
     def __init__(
@@ -110,7 +110,7 @@ class RaggedCache:
         """Whether ``step`` runs a chunk: up to ``LEAN_MAX_WIDTH`` tokens, or a prompt where the step takes one."""
         if prefix:
             takes = getattr(self.step, "takes_prompt", None)
-            return takes is not None and bool(takes(self.cache))
+            return takes is not None and bool(takes(self.cache, self.mask.numel() * width))
         return width <= LEAN_MAX_WIDTH
 
     def rollback(self, drop: Sequence[int]) -> None:
