@@ -374,15 +374,36 @@ std::vector<int64_t> left_pads(const torch::Tensor& mask, int64_t used) {
   return std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + B);
 }
 
+// How a wide chunk's attention sees its columns, the same in every layer (worked out once per call): `pads`
+// (left_pads) where the chunk is a plain left-padded prompt, else `allowed` [B, 1, C, T], the mask in which a query
+// that may see no column (a left-padding position) sees its own: its output is never read (nothing attends to a
+// padding column) but must stay finite, as a fully masked query's is not.
+struct WideMask {
+  std::vector<int64_t> pads;
+  torch::Tensor allowed;
+};
+
+WideMask wide_mask(const torch::Tensor& mask, int64_t used) {
+  WideMask wide{left_pads(mask, used), torch::Tensor()};
+  if (!wide.pads.empty()) return wide;
+  auto allowed = mask;  // [B, C, T]
+  const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
+  if (blind.any().item<bool>()) {
+    const auto where = blind.nonzero();  // [n, 2] (row, column)
+    allowed = allowed.clone();
+    allowed.index_put_({where.select(1, 0), where.select(1, 1), where.select(1, 1) + used}, true);
+  }
+  wide.allowed = allowed.unsqueeze(1);
+  return wide;
+}
+
 // attend() for a wide chunk: at::scaled_dot_product_attention over the buffers' first T columns (float16 K/V read as
-// float32). With `pads` (left_pads) each row runs causally over its real columns, its padding queries get zeros;
-// otherwise one masked call, in which a query that may see no column (a left-padding position) sees its own: its
-// output is never read (nothing attends to a padding column) but must stay finite, as a fully masked query's is not.
-// q [B*C, H*D]; kp / vp [B, H_kv, cap, D]; mask [B, C, T]; attn [B*C, H*D].
+// float32). With `wide.pads` each row runs causally over its real columns, its padding queries get zeros; otherwise
+// one call masked by `wide.allowed`.
+// q [B*C, H*D]; kp / vp [B, H_kv, cap, D]; attn [B*C, H*D].
 template <typename KV>
-void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& mask, const std::vector<int64_t>& pads,
-                 torch::Tensor& attn, int64_t B, int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads,
-                 int64_t kv_heads, int64_t D, float scaling) {
+void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const WideMask& wide, torch::Tensor& attn, int64_t B,
+                 int64_t C, int64_t T, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D, float scaling) {
   const auto options = q.options().dtype(std::is_same_v<KV, float> ? torch::kFloat : torch::kHalf);
   // [B, H_kv, T, D] each
   auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
@@ -390,9 +411,9 @@ void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& ma
   const auto queries = q.view({B, C, heads, D}).transpose(1, 2);  // [B, H, C, D]
   auto out = attn.view({B, C, heads, D});
   const bool gqa = heads != kv_heads;
-  if (!pads.empty()) {
+  if (!wide.pads.empty()) {
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t p = pads[b];
+      const int64_t p = wide.pads[b];
       out[b].narrow(0, 0, p).zero_();
       if (p == T) continue;
       const auto row = [&](const torch::Tensor& t) { return t.narrow(0, b, 1).narrow(2, p, T - p); };
@@ -402,25 +423,18 @@ void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const torch::Tensor& ma
     }
     return;
   }
-  auto allowed = mask;  // [B, C, T]
-  const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
-  if (blind.any().item<bool>()) {
-    const auto where = blind.nonzero();  // [n, 2] (row, column)
-    allowed = allowed.clone();
-    allowed.index_put_({where.select(1, 0), where.select(1, 1), where.select(1, 1) + used}, true);
-  }
-  const auto o = at::scaled_dot_product_attention(queries, keys, values, allowed.unsqueeze(1), 0.0, false, scaling,
+  const auto o = at::scaled_dot_product_attention(queries, keys, values, wide.allowed, 0.0, false, scaling,
                                                   gqa);  // [B, H, C, D]
   out.copy_(o.transpose(1, 2));
 }
 
 // The chunk's K/V (k / v [M, H_kv*D] float32) into columns [used, used + C) of the layer's buffers kp / vp
-// [B, H_kv, cap, D], then attention of q [M, H*D] over them into attn [M, H*D].
+// [B, H_kv, cap, D], then attention of q [M, H*D] over them into attn [M, H*D]: `attend` over `mask`, or for a chunk
+// of kWideChunk columns or more attend_wide over `wide` (wide_mask of the same mask).
 template <typename KV>
 void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, KV* kp, KV* vp,
-                      const torch::Tensor& mask, const std::vector<int64_t>& pads, torch::Tensor& attn, int64_t B,
-                      int64_t C, int64_t T, int64_t used, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D,
-                      float scaling) {
+                      const torch::Tensor& mask, const WideMask& wide, torch::Tensor& attn, int64_t B, int64_t C,
+                      int64_t T, int64_t used, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D, float scaling) {
   const int64_t M = B * C;
   for (int64_t m = 0; m < M; ++m) {
     const int64_t b = m / C, col = used + m % C;
@@ -431,7 +445,7 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
     }
   }
   if (C >= kWideChunk) {
-    attend_wide(q, kp, vp, mask, pads, attn, B, C, T, used, cap, heads, kv_heads, D, scaling);
+    attend_wide(q, kp, vp, wide, attn, B, C, T, cap, heads, kv_heads, D, scaling);
     return;
   }
   attend(q.data_ptr<float>(), kp, vp, mask.data_ptr<bool>(), attn.data_ptr<float>(), B, C, T, cap, heads, kv_heads, D,
@@ -462,7 +476,7 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
   const int64_t D = cs.size(1);
   auto normed = torch::empty_like(x);
   auto attn = torch::empty({M, heads * D}, x.options());
-  const auto pads = C >= kWideChunk ? left_pads(mask, used) : std::vector<int64_t>();
+  const auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
   for (size_t l = 0; l < params.size(); ++l) {
     const auto& p = params[l];
     TORCH_CHECK(p.size() == kParams, "lean layers: layer ", l, " has ", p.size(), " parameters, expected ", kParams);
@@ -486,10 +500,10 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
     TORCH_CHECK((half || kb.scalar_type() == torch::kFloat) && vb.scalar_type() == kb.scalar_type(),
                 "lean layers: layer ", l, ": K/V buffers must both be float32 or both float16");
     if (half)
-      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, pads, attn, B, C, T, used, cap,
+      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, wide, attn, B, C, T, used, cap,
                        heads, kv_heads, D, static_cast<float>(scaling));
     else
-      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, pads, attn, B, C, T, used, cap,
+      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, wide, attn, B, C, T, used, cap,
                        heads, kv_heads, D, static_cast<float>(scaling));
     x.add_(project(attn, p, kO, mode));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
