@@ -31,7 +31,7 @@ from hf_accel.quant.bnb import is_bnb_linear
 
 
 def decode_rate(model, inputs, new_tokens: int, **kwargs) -> tuple[float, torch.Tensor]:
-    from hf_accel.metrics import TimingStreamer
+    from hf_accel.core.metrics import TimingStreamer
 
     batch = inputs["input_ids"].shape[0]
     with torch.inference_mode():

@@ -26,7 +26,7 @@ from transformers import StoppingCriteriaList
 
 import hf_accel
 from hf_accel import PagedCache
-from hf_accel.metrics import StepClock
+from hf_accel.core.metrics import StepClock
 from hf_accel.paged.attention import kernel_status, native_kernel
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")  # real English text shipped with Debian

@@ -7,9 +7,9 @@ Quick start::
     out = model.generate(**inputs, max_new_tokens=64)
 """
 
-from .config import AccelConfig, CompileConfig, FusedMLPConfig, Int8Config, PagedConfig, SpeculativeConfig
-from .engine import Engine, EngineStoppedError, FinishReason, RequestFailedError, RequestOutput, UnknownRequestError
-from .errors import (
+from .checkpoint import load_quantized, save_quantized
+from .core.config import AccelConfig, CompileConfig, FusedMLPConfig, Int8Config, PagedConfig, SpeculativeConfig
+from .core.errors import (
     AlreadyPatchedError,
     CacheFullError,
     DefaultModelNotInstalledError,
@@ -20,13 +20,13 @@ from .errors import (
     NotPatchedError,
     UnsupportedModelError,
 )
+from .core.metrics import GenerationStats
+from .core.registry import supported_model_types
+from .engine import Engine, EngineStoppedError, FinishReason, RequestFailedError, RequestOutput, UnknownRequestError
 from .fused import FusedGatedMLP
-from .metrics import GenerationStats
 from .models import load_default, load_model
 from .paged.cache import PagedCache
 from .patch import is_patched, last_stats, patch_model, patch_report, unpatch_model
-from .quant.checkpoint import load_quantized, save_quantized
-from .registry import supported_model_types
 
 __version__ = "0.1.0"
 

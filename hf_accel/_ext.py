@@ -19,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from .models import cache_dir
+from .core.paths import cache_dir
 
 __all__ = ["define_op", "extension_status", "load_extension"]
 

@@ -3,7 +3,7 @@
 Each technique patches the same model instance, runs warm-up then ``repeats`` timed ``generate`` calls per
 batch size, and is unpatched again (``unpatch_model`` restores the model exactly). The baseline is the model
 with only hf_accel's ``generate`` instrumentation (no feature), so every row is measured the same way
-(:class:`~hf_accel.metrics.GenerationStats`). Greedy outputs are compared with the baseline's; lossy
+(:class:`~hf_accel.core.metrics.GenerationStats`). Greedy outputs are compared with the baseline's; lossy
 techniques also report the perplexity change on a fixed English text.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import Int8Config
-from .errors import IncompatibleOptionsError
-from .metrics import GenerationStats
+from .core.config import Int8Config
+from .core.errors import IncompatibleOptionsError
+from .core.metrics import GenerationStats
 from .patch import last_stats, patch_model, unpatch_model
 
 __all__ = ["TECHNIQUES", "BenchResult", "parse_techniques", "run_bench"]
@@ -69,7 +69,7 @@ def _self_spec() -> dict[str, Any]:
 
 
 def _no_bnb() -> str | None:
-    from .errors import FeatureNotAvailableError
+    from .core.errors import FeatureNotAvailableError
     from .quant.bnb import bnb_module
 
     try:

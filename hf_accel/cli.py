@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .errors import HFAccelError
+from .core.errors import HFAccelError
 
 __all__ = ["main"]
 
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         if args.command == "archs":
-            from .registry import supported_model_types
+            from .core.registry import supported_model_types
 
             print("\n".join(supported_model_types()))
             return 0

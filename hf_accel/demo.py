@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from .config import Int8Config
-from .metrics import GenerationTiming, TimingStreamer
+from .core.config import Int8Config
+from .core.metrics import GenerationTiming, TimingStreamer
 from .models import load_default
 from .patch import patch_model, patch_report, unpatch_model
 

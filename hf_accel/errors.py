@@ -1,12 +1,23 @@
-"""Typed errors raised by hf_accel.
+"""The public home of hf_accel's typed errors (``from hf_accel.errors import CacheFullError``).
 
-Every error derives from :class:`HFAccelError` *and* from the builtin exception that matches its meaning,
-so ``except ValueError`` keeps working for callers that do not know hf_accel.
+They are defined in :mod:`hf_accel.core.errors`, the bottom layer every module may import; this module only
+re-exports them under the path the documentation names. The engine's own errors (``EngineStoppedError``,
+``UnknownRequestError``, ``RequestFailedError``) are exported by :mod:`hf_accel` itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from .core.errors import (
+    AlreadyPatchedError,
+    CacheFullError,
+    DefaultModelNotInstalledError,
+    FeatureNotAvailableError,
+    HFAccelError,
+    IncompatibleOptionsError,
+    ModelNotFoundError,
+    NotPatchedError,
+    UnsupportedModelError,
+)
 
 __all__ = [
     "AlreadyPatchedError",
@@ -15,69 +26,7 @@ __all__ = [
     "FeatureNotAvailableError",
     "HFAccelError",
     "IncompatibleOptionsError",
+    "ModelNotFoundError",
     "NotPatchedError",
     "UnsupportedModelError",
 ]
-
-
-class HFAccelError(Exception):
-    """Base class of every error raised by hf_accel."""
-
-
-class UnsupportedModelError(HFAccelError, TypeError):
-    """The model is not a causal LM, or its architecture is not in the registry.
-
-    Args:
-        model_type: the offending ``config.model_type`` (or class name when there is no config).
-        supported: the model types hf_accel knows.
-        reason: an optional sentence that replaces the default explanation.
-    """
-
-    def __init__(self, model_type: str, supported: Iterable[str], reason: str | None = None) -> None:
-        self.model_type = model_type
-        self.supported = tuple(sorted(supported))
-        why = reason or f"model_type {model_type!r} is not supported by hf_accel"
-        super().__init__(f"{why}. Supported model types: {', '.join(self.supported)}.")
-
-
-class AlreadyPatchedError(HFAccelError, RuntimeError):
-    """``patch_model`` was called on a model that is already patched."""
-
-
-class NotPatchedError(HFAccelError, RuntimeError):
-    """``unpatch_model`` (or a query that needs a patch) was called on an unpatched model."""
-
-
-class IncompatibleOptionsError(HFAccelError, ValueError):
-    """Options that are individually valid but cannot be combined, or an unknown/mistyped option."""
-
-
-class FeatureNotAvailableError(HFAccelError, NotImplementedError):
-    """A feature was requested that this hf_accel build or this device does not provide."""
-
-
-class DefaultModelNotInstalledError(HFAccelError, ImportError):
-    """The package that ships the default model's weights is not installed."""
-
-
-class ModelNotFoundError(HFAccelError, FileNotFoundError):
-    """A model path that is not a local Transformers checkpoint folder (nothing is ever downloaded)."""
-
-
-class CacheFullError(HFAccelError, RuntimeError):
-    """The KV block pool cannot hold what was asked of it.
-
-    Args:
-        needed: blocks the operation needs.
-        free: blocks free in the pool.
-        detail: optional context (which sequence, which operation).
-    """
-
-    def __init__(self, needed: int, free: int, detail: str = "") -> None:
-        self.needed = needed
-        self.free = free
-        msg = f"KV block pool exhausted: {needed} blocks needed, {free} free"
-        if detail:
-            msg += f" ({detail})"
-        msg += ". Give the cache more blocks (num_blocks= or max_memory=) or lower the batch size."
-        super().__init__(msg)

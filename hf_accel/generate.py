@@ -10,21 +10,18 @@ from __future__ import annotations
 import functools
 import time
 import types
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import FeatureNotAvailableError, IncompatibleOptionsError
-from .metrics import StepClock
+from .core.call import GenerateCall, device_of, eos_token_ids
+from .core.errors import FeatureNotAvailableError, IncompatibleOptionsError
+from .core.metrics import StepClock
+from .core.recorder import Recorder
+from .core.state import PatchState
 
-if TYPE_CHECKING:
-    from .patch import PatchState
-    from .recorder import Recorder
-
-__all__ = ["PLUGIN_KWARGS", "GenerateCall", "GenerateKwarg", "bind_generate", "eos_token_ids"]
+__all__ = ["PLUGIN_KWARGS", "bind_generate"]
 
 #: Every ``generate`` keyword hf_accel owns -> the feature that implements it.
 PLUGIN_KWARGS: dict[str, str] = {
@@ -34,53 +31,6 @@ PLUGIN_KWARGS: dict[str, str] = {
     "num_speculative_tokens": "speculative",
     "prompt_lookup": "speculative",
 }
-
-
-@dataclass
-class GenerateCall:
-    """One ``generate`` call on its way to Transformers: features may rewrite it and wrap its execution.
-
-    Args:
-        args / kwargs: what goes to the original ``generate`` (plugin kwargs already taken out).
-        around: wrappers ``wrap(proceed) -> output``; each must call ``proceed()`` once. The first one added
-            is the outermost.
-        notes: scratch space where a feature's keyword handlers leave values for its call hook.
-    """
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    around: list[Callable[[Callable[[], Any]], Any]] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def input_ids(self) -> Any:
-        """The prompt tensor, wherever the caller put it (first positional, ``input_ids=`` or ``inputs=``)."""
-        if self.args:
-            return self.args[0]
-        return self.kwargs.get("input_ids", self.kwargs.get("inputs"))
-
-    def run(self, original: Callable[..., Any]) -> Any:
-        def innermost() -> Any:
-            return original(*self.args, **self.kwargs)
-
-        proceed = innermost
-        for wrap in reversed(self.around):
-            proceed = functools.partial(wrap, proceed)
-        return proceed()
-
-
-@dataclass(frozen=True)
-class GenerateKwarg:
-    """One plugin keyword argument of ``generate``.
-
-    Args:
-        name: the keyword.
-        feature: the feature that owns it.
-        apply: ``apply(model, value, call)`` rewrites the :class:`GenerateCall` in place.
-    """
-
-    name: str
-    feature: str
-    apply: Callable[[nn.Module, Any, GenerateCall], None]
 
 
 def _split_plugin_kwargs(state: PatchState, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -93,9 +43,8 @@ def _apply_plugin_kwargs(model: nn.Module, state: PatchState, plugin: dict[str, 
         handler = state.generate_kwargs.get(name)
         if handler is None:
             feature = PLUGIN_KWARGS[name]
-            from .patch import FEATURES
-
-            if FEATURES[feature].apply is not None:  # implemented, but switched off for this model
+            known = state.features.get(feature)
+            if known is not None and known.apply is not None:  # implemented, but switched off for this model
                 raise IncompatibleOptionsError(
                     f"generate({name}=...) needs hf_accel's {feature!r} feature, which is off for this model; "
                     f"patch it with hf_accel.patch_model(model, {feature}=True)"
@@ -113,18 +62,6 @@ def _attach_clock(call: GenerateCall) -> StepClock:
     given = call.kwargs.get("stopping_criteria")
     call.kwargs["stopping_criteria"] = StoppingCriteriaList([*(given or []), clock])
     return clock
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def eos_token_ids(eos: Any) -> list[int]:
-    """A generation config's ``eos_token_id`` (``None``, an int or a list) as a list of ints."""
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _eos_ids(model: nn.Module, kwargs: dict[str, Any]) -> set[int]:
@@ -194,7 +131,7 @@ def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> No
             hook(self, call)
         state.extras.pop("speculative_stats", None)
         clock = _attach_clock(call)
-        device = _device_of(self)
+        device = device_of(self)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         out = call.run(original)

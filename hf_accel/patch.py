@@ -1,7 +1,7 @@
 """``patch_model`` / ``unpatch_model``: the one entry point every feature plugs into.
 
-A patch walks the architecture spec (:mod:`hf_accel.registry`), applies each enabled feature through a
-:class:`~hf_accel.recorder.Recorder`, and binds a ``generate`` wrapper on the instance. Nothing is ever
+A patch walks the architecture spec (:mod:`hf_accel.core.registry`), applies each enabled feature through a
+:class:`~hf_accel.core.recorder.Recorder`, and binds a ``generate`` wrapper on the instance. Nothing is ever
 assigned to a Transformers class. ``unpatch_model`` replays the recorder backwards.
 """
 
@@ -9,46 +9,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from .config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
-from .errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
+from .core.config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
+from .core.errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
+from .core.recorder import Recorder
+from .core.registry import ModelParts, resolve
+from .core.state import STATE_ATTR, Feature, PatchState, get_state
+from .engine.apply import bind_generate_many
 from .fused.apply import apply_fused_mlp
-from .fused.compile import apply_compile, bind_compile
-from .generate import GenerateCall, GenerateKwarg, bind_generate
-from .paged.apply import apply_paged, bind_paged
+from .fused.compile import apply_compile, bind_compile, plain_compile
+from .generate import bind_generate
+from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8
-from .recorder import Recorder
-from .registry import ModelParts, resolve
 from .speculative.apply import apply_speculative, bind_speculative
 
-__all__ = ["PatchState", "is_patched", "patch_model", "patch_report", "unpatch_model"]
+__all__ = ["FEATURES", "is_patched", "patch_model", "patch_report", "unpatch_model"]
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_hf_accel_state"
 
-Applier = Callable[[nn.Module, ModelParts, Any, Recorder], None]
-
-
-@dataclass(frozen=True)
-class _Feature:
-    apply: Applier | None  # None: not implemented in this version
-    lossless: bool
-    bind: Callable[[nn.Module, PatchState, Any], None] | None = None  # adds generate kwargs / call hooks
+def _apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder: Recorder) -> None:
+    apply_paged(model, parts, cfg, recorder)
+    bind_generate_many(model, recorder)  # continuous batching runs on the paged pool
 
 
-#: Feature name -> implementation. Order of application follows ``config.FEATURE_CONFIGS``.
-FEATURES: dict[str, _Feature] = {
-    "int8": _Feature(apply_int8, lossless=False),
-    "fused_mlp": _Feature(apply_fused_mlp, lossless=True),
-    "paged": _Feature(apply_paged, lossless=True, bind=bind_paged),
-    "speculative": _Feature(apply_speculative, lossless=True, bind=bind_speculative),
-    "compile": _Feature(apply_compile, lossless=True, bind=bind_compile),
+#: Feature name -> implementation. Order of application follows ``core.config.FEATURE_CONFIGS``.
+FEATURES: dict[str, Feature] = {
+    "int8": Feature(apply_int8, lossless=False),
+    "fused_mlp": Feature(apply_fused_mlp, lossless=True),
+    "paged": Feature(_apply_paged, lossless=True, bind=bind_paged, plain=plain_paged),
+    "speculative": Feature(apply_speculative, lossless=True, bind=bind_speculative),
+    "compile": Feature(apply_compile, lossless=True, bind=bind_compile, plain=plain_compile),
 }
 
 
@@ -57,25 +51,9 @@ def default_config() -> AccelConfig:
     return AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
 
 
-@dataclass
-class PatchState:
-    """What a patch changed on one model instance (stored on the instance)."""
-
-    config: AccelConfig
-    model_type: str
-    recorder: Recorder
-    generate_kwargs: dict[str, GenerateKwarg] = field(default_factory=dict)
-    call_hooks: list[Callable[[nn.Module, GenerateCall], None]] = field(default_factory=list)
-    extras: dict[str, Any] = field(default_factory=dict)
-
-
-def _get_state(model: nn.Module) -> PatchState | None:
-    return model.__dict__.get(_STATE_ATTR)
-
-
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` currently carries an hf_accel patch."""
-    return _get_state(model) is not None
+    return get_state(model) is not None
 
 
 def _check_available(config: AccelConfig) -> None:
@@ -118,7 +96,7 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
     parts = resolve(model)
     _check_available(config)
     recorder = Recorder()
-    state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder)
+    state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder, features=FEATURES)
     try:
         for name in config.enabled():
             feature = FEATURES[name]
@@ -126,7 +104,7 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
             if feature.bind is not None:
                 feature.bind(model, state, getattr(config, name))
         bind_generate(model, state, recorder)
-        recorder.set_instance_attr("core", model, _STATE_ATTR, state, "patch state attached")
+        recorder.set_instance_attr("core", model, STATE_ATTR, state, "patch state attached")
     except BaseException:
         recorder.undo()
         raise
@@ -143,7 +121,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     Raises:
         NotPatchedError: the model is not patched.
     """
-    state = _get_state(model)
+    state = get_state(model)
     if state is None:
         raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; nothing to unpatch")
     state.recorder.undo()
@@ -155,30 +133,32 @@ def patch_report(model: nn.Module) -> dict[str, Any]:
 
     Returns:
         ``{"model_type": str, "features": {name: config as dict}, "changes": {feature: {change: count}},
+        "implementations": {feature: {what: {"uses": name, "why": reason, "not": {other: why not}}}},
         "generate_kwargs": [names]}``.
 
     Raises:
         NotPatchedError: the model is not patched.
     """
-    state = _get_state(model)
+    state = get_state(model)
     if state is None:
         raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; there is no report")
     return {
         "model_type": state.model_type,
         "features": {n: dataclasses.asdict(getattr(state.config, n)) for n in state.config.enabled()},
         "changes": state.recorder.counts(),
+        "implementations": {f: {w: dict(c) for w, c in per.items()} for f, per in state.recorder.choices.items()},
         "generate_kwargs": sorted(state.generate_kwargs),
     }
 
 
 def last_stats(model: nn.Module) -> Any:
-    """The :class:`~hf_accel.metrics.GenerationStats` of the last ``generate`` call on ``model`` (``None`` before
+    """The :class:`~hf_accel.core.metrics.GenerationStats` of the last ``generate`` call on ``model`` (``None`` before
     the first call).
 
     Raises:
         NotPatchedError: the model is not patched.
     """
-    state = _get_state(model)
+    state = get_state(model)
     if state is None:
         raise NotPatchedError(f"{type(model).__name__} is not patched by hf_accel; it keeps no stats")
     return state.extras.get("last_stats")

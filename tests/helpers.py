@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from hf_accel.registry import supported_model_types
+from hf_accel.core.registry import supported_model_types
 
 ARCHS = supported_model_types()
 VOCAB = 256

@@ -17,7 +17,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import hf_accel
 from hf_accel import Engine, EngineStoppedError, PagedConfig, RequestFailedError, UnknownRequestError
-from hf_accel.errors import IncompatibleOptionsError, NotPatchedError
+from hf_accel.core.errors import IncompatibleOptionsError, NotPatchedError
 from hf_accel.speculative import PromptLookup
 
 

@@ -7,7 +7,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
-from hf_accel.generate import GenerateKwarg
+from hf_accel.core.call import GenerateKwarg
 
 
 class _Collect:

@@ -8,7 +8,7 @@ from helpers import PAD, random_batch, tiny_model
 
 import hf_accel
 from hf_accel import NotPatchedError, PagedCache
-from hf_accel.metrics import GenerationStats, StepClock
+from hf_accel.core.metrics import GenerationStats, StepClock
 
 
 def test_stats_of_a_plain_call_count_exactly():

@@ -179,9 +179,10 @@ def test_unknown_feature_and_wrong_config_type():
 
 def test_feature_not_yet_available_is_a_clear_error(monkeypatch):
     from hf_accel import patch
+    from hf_accel.core.state import Feature
 
     # every feature is implemented now: simulate a build without one, as a future feature starts out
-    monkeypatch.setitem(patch.FEATURES, "compile", patch._Feature(None, lossless=True))
+    monkeypatch.setitem(patch.FEATURES, "compile", Feature(None, lossless=True))
     model = tiny_model("llama")
     with pytest.raises(FeatureNotAvailableError) as info:
         hf_accel.patch_model(model, compile=True)

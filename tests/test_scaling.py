@@ -14,8 +14,8 @@ from accelerate import dispatch_model
 from helpers import random_batch, tiny_model
 
 import hf_accel
-from hf_accel.dispatch import execution_device, tp_style, transfer_hook
-from hf_accel.errors import IncompatibleOptionsError
+from hf_accel.core.dispatch import execution_device, tp_style, transfer_hook
+from hf_accel.core.errors import IncompatibleOptionsError
 from hf_accel.quant.core import quantize
 from hf_accel.speculative import SelfSpeculative
 

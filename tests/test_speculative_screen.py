@@ -239,7 +239,7 @@ def test_screen_and_native_target_chunks_stay_off_under_tensor_parallelism():
     """A model Transformers sharded (``_tp_size`` > 1; its weights are DTensor shards whose collectives live in the
     modules' forwards) keeps its own forward and head: no screen, no native target chunks, no lean draft step. The
     two-process run itself is tests/test_scaling.py::test_tensor_parallel_two_cpu_processes."""
-    from hf_accel.dispatch import is_tensor_parallel
+    from hf_accel.core.dispatch import is_tensor_parallel
     from hf_accel.speculative import loop
     from hf_accel.speculative.lean import LeanStep
 

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import PagedConfig
-from ..errors import IncompatibleOptionsError, NotPatchedError
-from ..generate import _device_of
+from ..core.call import device_of
+from ..core.config import PagedConfig
+from ..core.errors import IncompatibleOptionsError, NotPatchedError
+from ..core.state import get_state
 from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PagedCache, uses_paged_attention
 from ..speculative.verify import verify_greedy, verify_sampling
@@ -91,9 +92,7 @@ class Engine:
         paged: PagedConfig | None = None,
         keep_finished: int = 10_000,
     ) -> None:
-        from ..patch import _get_state
-
-        state = _get_state(model)
+        state = get_state(model)
         if state is None or state.config.paged is None or not uses_paged_attention(model):
             raise NotPatchedError(
                 "Engine drives a model patched with the paged feature: call hf_accel.patch_model(model) first"
@@ -112,7 +111,7 @@ class Engine:
         cfg = paged or dataclasses.replace(state.config.paged, prefix_cache=True)
         self.model = model
         self.tokenizer = tokenizer
-        self.device = _device_of(model)
+        self.device = device_of(model)
         self.cache = PagedCache.from_config(model, cfg)
         self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running, cfg.prefix_cache)
         self._lock = threading.Condition()

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from ..errors import HFAccelError, IncompatibleOptionsError
-from ..generate import eos_token_ids
+from ..core.call import eos_token_ids
+from ..core.errors import HFAccelError, IncompatibleOptionsError
 from ..speculative.strategies import PromptLookup
 
 __all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec"]

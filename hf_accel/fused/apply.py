@@ -13,11 +13,11 @@ import logging
 import torch
 from torch import nn
 
-from ..config import FusedMLPConfig
-from ..dispatch import is_offloaded, is_sharded, local_tensor, tp_style, transfer_hook
-from ..errors import IncompatibleOptionsError
-from ..recorder import Recorder
-from ..registry import ArchSpec, ModelParts, get_attr_path, parent_and_name
+from ..core.config import FusedMLPConfig
+from ..core.dispatch import is_offloaded, is_sharded, local_tensor, tp_style, transfer_hook
+from ..core.errors import IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import ArchSpec, ModelParts, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
 
 __all__ = ["apply_fused_mlp"]

@@ -1,6 +1,6 @@
 """The ``compile`` feature: pre-packed linear weights, compiled fused MLPs, a compiled static-cache decode step.
 
-Three independent parts (see :class:`~hf_accel.config.CompileConfig`):
+Three independent parts (see :class:`~hf_accel.core.config.CompileConfig`):
 
 * ``prepack`` — every ``nn.Linear`` of the decoder layers (the fused ``gate_up_proj`` included) and the LM
   head becomes a :class:`~.packed.PackedLinear`. The float weight is released (the packed copy holds the same
@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..config import CompileConfig
-from ..dispatch import check_resident, is_sharded, transfer_hook
-from ..errors import FeatureNotAvailableError, IncompatibleOptionsError
-from ..generate import GenerateCall, _device_of
+from ..core.call import GenerateCall, device_of
+from ..core.config import CompileConfig
+from ..core.dispatch import check_resident, is_sharded, transfer_hook
+from ..core.errors import FeatureNotAvailableError, IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from ..paged.cache import uses_paged_attention
 from ..paged.compiled import CompiledPagedDecode, define_paged_op
-from ..recorder import Recorder
-from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .mlp import FusedGatedMLP
-from .packed import PackedLinear, define_compiled_op, packing_unavailable
+from .packed import PackedLinear, define_compiled_op, packing_unavailable, unpack_linears
 
 if TYPE_CHECKING:
-    from ..patch import PatchState
+    from ..core.state import PatchState
 
-__all__ = ["apply_compile", "bind_compile"]
+__all__ = ["apply_compile", "bind_compile", "plain_compile"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "compile"
@@ -58,7 +58,7 @@ def _release(recorder: Recorder, weight: nn.Parameter, packed: PackedLinear, ali
 
 
 def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
-    targets = decoder_linears(model, parts)
+    targets = decoder_linears(model, parts.spec)
     for name, linear in targets:
         check_resident(name, linear, "compile (weight pre-packing)", "patch with CompileConfig(prepack=False)")
         if is_sharded(linear.weight):
@@ -160,7 +160,7 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
         _prepack(model, parts, recorder)
     compile_mlps = config.mlp
     if compile_mlps is None:
-        compile_mlps = _device_of(model).type != "cpu"
+        compile_mlps = device_of(model).type != "cpu"
         if not compile_mlps:
             recorder.note(FEATURE, "MLPs not compiled (CPU default: slower than packed eager; mlp=True forces it)")
     if compile_mlps:
@@ -182,6 +182,15 @@ def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Rec
     step = CompiledPagedDecode(model, config.compile_kwargs())
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)
+
+
+def plain_compile(copy: nn.Module) -> None:
+    """A plain copy of a compile-patched model: plain ``nn.Linear`` weights again (a copy may be re-typed or
+    quantized) and eager MLPs; its ``forward`` is the class's (the compiled step is never copied)."""
+    unpack_linears(copy)
+    for module in copy.modules():
+        if isinstance(module, FusedGatedMLP):
+            module.set_compiled(None)
 
 
 def bind_compile(model: nn.Module, state: PatchState, config: CompileConfig) -> None:

@@ -64,7 +64,7 @@ class FusedGatedMLP(nn.Module):
 
         Args:
             mlp: a gated MLP with ``gate``/``up``/``down`` projections and an activation module.
-            spec: where its parts are (an :class:`hf_accel.registry.ArchSpec`); ``None`` recognises every
+            spec: where its parts are (an :class:`hf_accel.core.registry.ArchSpec`); ``None`` recognises every
                 registry architecture's layout by attribute names.
             share: make the original gate/up parameters views into the fused weight, so the weights exist once
                 in memory (values unchanged); ``False`` leaves the original untouched and copies them.

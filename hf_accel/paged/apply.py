@@ -11,19 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..config import PagedConfig
-from ..errors import IncompatibleOptionsError
-from ..generate import GenerateCall, GenerateKwarg
-from ..recorder import Recorder
-from ..registry import ModelParts
+from ..core.call import GenerateCall, GenerateKwarg
+from ..core.config import PagedConfig
+from ..core.errors import IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import ModelParts
 from .attention import register, unpaged_name
 from .cache import PAGED_ATTENTION_PREFIX, PagedCache, uses_paged_attention
 from .runner import run_paged
 
 if TYPE_CHECKING:
-    from ..patch import PatchState
+    from ..core.state import PatchState
 
-__all__ = ["apply_paged", "bind_paged"]
+__all__ = ["apply_paged", "bind_paged", "plain_paged"]
 
 _CACHE_KEY = "paged_cache"
 
@@ -44,27 +44,14 @@ def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder:
         config._attn_implementation = base
 
     recorder.call("paged", f"attention {base} -> {name}", switch, restore)
-    recorder.set_instance_attr("paged", model, "generate_many", _generate_many(model), "generate_many bound")
 
 
-def _generate_many(model: nn.Module) -> Any:
-    def generate_many(prompts: Any, tokenizer: Any = None, engine: Any = None, **generate_kwargs: Any) -> list:
-        """Generate for many prompts with continuous batching (:class:`hf_accel.Engine`); see
-        :meth:`hf_accel.Engine.generate_many`. ``engine``: an existing engine of this model (default: one kept by
-        the model, built on first use with the engine's defaults)."""
-        from ..engine import Engine
-        from ..patch import _get_state
-
-        if engine is None:
-            extras = _get_state(model).extras
-            engine = extras.get("engine")
-            if engine is None or engine.tokenizer is not tokenizer:
-                engine = extras["engine"] = Engine(model, tokenizer)
-        elif engine.model is not model:
-            raise IncompatibleOptionsError("generate_many(engine=...) got an engine built for another model")
-        return engine.generate_many(prompts, **generate_kwargs)
-
-    return generate_many
+def plain_paged(copy: nn.Module) -> None:
+    """A plain copy of a paged-patched model runs its base attention (for ``sdpa``, :func:`~.attention.unpaged_name`'s
+    grouped-head form, the same results): it holds Transformers' caches only."""
+    impl = getattr(copy.config, "_attn_implementation", None) or ""
+    if impl.startswith(PAGED_ATTENTION_PREFIX):
+        copy.config._attn_implementation = unpaged_name(impl.split(":", 1)[1])
 
 
 def _with_base_attention(model: nn.Module, proceed: Any) -> Any:

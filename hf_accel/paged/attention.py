@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ext import extension_status, load_extension
-from ..errors import IncompatibleOptionsError
+from ..core.errors import IncompatibleOptionsError
 from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
 

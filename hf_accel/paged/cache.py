@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..dispatch import model_dtype
-from ..errors import CacheFullError, IncompatibleOptionsError
+from ..core.dispatch import model_dtype
+from ..core.errors import CacheFullError, IncompatibleOptionsError
 from .blocks import BlockCopy, BlockManager
 
 __all__ = ["PAGED_ATTENTION_PREFIX", "PagedCache", "PagedLayer"]
@@ -235,7 +235,7 @@ def _kv_geometry(model: nn.Module) -> tuple[int, int, int]:
 
 def _local_kv_heads(model: nn.Module, kv_heads: int) -> int:
     """K/V heads this rank computes: a column-wise sharded ``k_proj`` (tensor parallelism) splits them."""
-    from ..dispatch import tp_size, tp_style
+    from ..core.dispatch import tp_size, tp_style
 
     tp = tp_size(model)
     if tp == 1:
@@ -252,8 +252,8 @@ def _local_kv_heads(model: nn.Module, kv_heads: int) -> int:
 
 def _layer_devices(model: nn.Module, num_layers: int) -> list[torch.device]:
     """The device each decoder layer computes on, so each pool sits next to its layer."""
-    from ..dispatch import execution_device
-    from ..registry import get_attr_path, get_spec
+    from ..core.dispatch import execution_device
+    from ..core.registry import get_attr_path, get_spec
 
     layers = get_attr_path(model, get_spec(model).layers)
     # accelerate: an offloaded layer's weights are on "meta"; it computes on its hook's execution device

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from ..errors import IncompatibleOptionsError
-from ..generate import eos_token_ids
+from ..core.call import eos_token_ids
+from ..core.errors import IncompatibleOptionsError
 from .cache import PagedCache
 
 __all__ = ["PagedRowTracker", "run_paged"]

@@ -13,26 +13,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import Int8Config
-from ..dispatch import TPRowwise, check_resident, is_sharded, local_tensor, tp_group, tp_style, transfer_hook
-from ..errors import IncompatibleOptionsError
-from ..recorder import Recorder
-from ..registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
+from ..core.config import Int8Config
+from ..core.dispatch import TPRowwise, check_resident, is_sharded, local_tensor, tp_group, tp_style, transfer_hook
+from ..core.errors import IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize, quantize
 from .kernel import w8a8_kernel, w8a8_status
 from .linear import Int8Embedding, Int8Linear, check_w8a8
 
-__all__ = ["apply_int8", "resolve_backend"]
+__all__ = ["apply_int8", "quantize_linears", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "int8"
 
 
-def _targets(model: nn.Module, parts: ModelParts, config: Int8Config) -> list[tuple[str, nn.Linear]]:
+def _targets(model: nn.Module, spec: ArchSpec, config: Int8Config) -> list[tuple[str, nn.Linear]]:
     return [
         (name, linear)
-        for name, linear in decoder_linears(model, parts)
+        for name, linear in decoder_linears(model, spec)
         if not any(fnmatch.fnmatchcase(name, pattern) for pattern in config.skip_modules)
     ]
 
@@ -127,11 +127,24 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     for module in model.modules():
         if is_bnb_linear(module):
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
-    head_name = parts.spec.lm_head
-    tied = get_attr_path(model, head_name).weight is embed.weight
-    targets = _targets(model, parts, config)
+    quantize_linears(model, parts.spec, config, recorder, backend)
+    logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
+
+
+def quantize_linears(
+    model: nn.Module, spec: ArchSpec, config: Int8Config, recorder: Recorder, backend: str = "native"
+) -> None:
+    """Swap every remaining ``nn.Linear`` of the decoder layers (a fused MLP's ``gate_up_proj`` included) and the LM
+    head, minus ``config.skip_modules``, for ``backend``'s int8 layer; a tied head's embedding reads the int8 matrix
+    where it can. The int8 feature's work after its checks; also how a self-speculative draft's private copy is
+    quantized (with a throwaway ``recorder``: its float weights are released at once)."""
+    embed = get_attr_path(model, spec.embed_tokens)
+    head_name = spec.lm_head
+    embed_weight = getattr(embed, "weight", None)
+    tied = embed_weight is not None and getattr(get_attr_path(model, head_name), "weight", None) is embed_weight
+    targets = _targets(model, spec, config)
     if config.activations == "int8":
-        _check_w8a8(targets, embed.weight.device, recorder)
+        _check_w8a8(targets, targets[0][1].weight.device if targets else embed_weight.device, recorder)
         recorder.note(FEATURE, "W8A8: activations quantized per token in 16 interleaved feature groups")
     for name, linear in targets:
         check_resident(name, linear, "int8", _OFFLOAD_ADVICE)
@@ -147,9 +160,8 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             continue
         new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
         if name == head_name and tied:
-            _tie_embedding(model, parts, embed, new, recorder)
+            _tie_embedding(model, spec, embed, new, recorder)
         _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: dequantize(m.quantized, dt))
-    logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
 
 
 _OFFLOAD_ADVICE = (
@@ -210,9 +222,9 @@ def _can_tie(embed: nn.Module, backend: str) -> bool:
     return backend == "native" and (type(embed) is nn.Embedding or isinstance(scale, torch.Tensor))
 
 
-def _tie_embedding(model: nn.Module, parts: ModelParts, embed: nn.Module, head: Int8Linear, recorder: Recorder) -> None:
+def _tie_embedding(model: nn.Module, spec: ArchSpec, embed: nn.Module, head: Int8Linear, recorder: Recorder) -> None:
     scale = getattr(embed, "embed_scale", None)
     factor = None if scale is None else float(scale)
     lookup = Int8Embedding(head, embed.weight.dtype, getattr(embed, "padding_idx", None), factor)
-    parent, attr = parent_and_name(model, parts.spec.embed_tokens)
+    parent, attr = parent_and_name(model, spec.embed_tokens)
     recorder.set_submodule(FEATURE, parent, attr, lookup, "tied embedding -> int8")

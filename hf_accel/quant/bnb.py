@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from ..errors import FeatureNotAvailableError
+from ..core.errors import FeatureNotAvailableError
 
 __all__ = ["bnb_dequantize", "bnb_module", "is_bnb_linear", "to_bnb_linear"]
 

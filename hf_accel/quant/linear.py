@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._ext import define_op
-from ..config import Int8Config
+from ..core.config import Int8Config
 from .core import (
     ACT_BLOCK,
     QuantizedWeight,

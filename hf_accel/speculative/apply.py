@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..config import SpeculativeConfig
-from ..errors import IncompatibleOptionsError
-from ..generate import GenerateCall, GenerateKwarg
-from ..recorder import Recorder
-from ..registry import ModelParts
+from ..core.call import GenerateCall, GenerateKwarg
+from ..core.config import SpeculativeConfig
+from ..core.errors import IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import ModelParts
 from .loop import SpeculativeStats, make_custom_generate
 from .strategies import PromptLookup, Strategy
 
 if TYPE_CHECKING:
-    from ..patch import PatchState
+    from ..core.state import PatchState
 
 __all__ = ["apply_speculative", "bind_speculative"]
 

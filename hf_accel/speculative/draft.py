@@ -20,8 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dispatch import model_dtype
-from ..errors import IncompatibleOptionsError
+from ..core.config import Int8Config
+from ..core.dispatch import is_offloaded, is_sharded, model_dtype
+from ..core.errors import IncompatibleOptionsError
+from ..core.recorder import Recorder
+from ..core.registry import get_spec, parent_and_name
+from ..core.state import plain_copy
+from ..quant.apply import quantize_linears
 from .growing import growing_cache, to_growing
 from .lean import LeanStep
 from .ragged import LEAN_MAX_WIDTH, RaggedCache
@@ -282,40 +287,6 @@ class DraftModel(Strategy):
         )
 
 
-class _GatedMLP(nn.Module):
-    """``down(act(gate) * up)`` with ``[gate, up] = gate_up(x)``: a fused MLP whose projections are modules."""
-
-    def __init__(self, gate_up: nn.Module, down: nn.Module, act: nn.Module, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up, self.down_proj, self.act_fn, self.intermediate = gate_up, down, act, intermediate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)  # each [..., I]
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-def _quantize_copy(model: nn.Module) -> None:
-    """Swap every ``nn.Linear`` (and fused MLP) of a private copy for int8 (lossy; the draft only proposes)."""
-    from ..fused.mlp import FusedGatedMLP
-    from ..quant import Int8Linear
-
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, FusedGatedMLP):
-                weight = child.gate_up_weight
-                lin = nn.Linear(weight.shape[1], weight.shape[0], bias=child.gate_up_bias is not None)
-                lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
-                if child.gate_up_bias is not None:
-                    lin.bias = nn.Parameter(child.gate_up_bias.detach(), requires_grad=False)
-                mlp = _GatedMLP(Int8Linear.from_module(lin), child.down_proj, child.act_fn, child.intermediate_size)
-                setattr(module, child_name, mlp)
-        del name
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, Int8Linear.from_module(child))
-
-
 def _check_layers(layers: Iterable[int] | None) -> tuple[int, ...] | None:
     """``layers`` as sorted distinct indices, or ``None``; a typed error for anything else."""
     if layers is None:
@@ -340,8 +311,6 @@ def _keep_layers(model: nn.Module, keep: Sequence[int]) -> bool:
     Every ``layer_idx`` inside a kept layer (the index it uses in the cache) and the config's per-layer fields
     follow the new numbering, so a fresh cache built from the copy's config matches it.
     """
-    from ..registry import get_spec, parent_and_name
-
     holder, name = parent_and_name(model, get_spec(model).layers)
     stack = getattr(holder, name)
     if keep[-1] >= len(stack):
@@ -477,32 +446,19 @@ class SelfSpeculative(DraftModel):
         Raises:
             IncompatibleOptionsError: offloaded / sharded weights, or a layer index the model does not have.
         """
-        from ..dispatch import is_offloaded, is_sharded
-        from ..paged.attention import unpaged_name
-        from ..paged.cache import PAGED_ATTENTION_PREFIX
-        from ..patch import _STATE_ATTR
-
         if is_offloaded(target) or any(is_sharded(p) for p in target.parameters()):
             raise IncompatibleOptionsError(
                 "self-speculation copies the model's weights, but this model's are offloaded by accelerate or "
                 "sharded by tensor parallelism; speculate with prompt_lookup=True or a separate draft_model"
             )
-        draft = copy.deepcopy(target)
-        for attr in ("generate", _STATE_ATTR):  # the copy is a plain model, not a patched one
-            draft.__dict__.pop(attr, None)
-        impl = getattr(draft.config, "_attn_implementation", None) or ""
-        if impl.startswith(PAGED_ATTENTION_PREFIX):  # the copy runs Transformers' caches only
-            draft.config._attn_implementation = unpaged_name(impl.split(":", 1)[1])
-        from ..fused.packed import unpack_linears
-
-        unpack_linears(draft)  # pre-packed weights (compile feature) back to plain linears before re-typing
+        draft = plain_copy(target)  # every feature's instance changes undone on the copy; the target untouched
         if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
             raise IncompatibleOptionsError(
                 "SelfSpeculative(weights=None) keeps every decoder layer: the draft would be the target itself; "
                 "drop some layers or pick cheaper weights"
             )
-        if weights == "int8":
-            _quantize_copy(draft)
+        if weights == "int8":  # the int8 feature's own swap, on the copy (its float weights are released)
+            quantize_linears(draft, get_spec(draft), Int8Config(), Recorder())
         elif weights is not None:
             draft.to(weights)
         logger.info(

@@ -35,7 +35,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from .._ext import load_extension
-from ..dispatch import is_tensor_parallel
+from ..core.dispatch import is_tensor_parallel
 from ..quant.linear import w8a8_fits
 from .growing import GrowingLayer
 
@@ -156,12 +156,13 @@ def _mlp(mlp: nn.Module, groups: set[int]) -> list[torch.Tensor] | None:
     if not isinstance(getattr(mlp, "act_fn", None), (nn.SiLU, SiLUActivation)) or not hasattr(mlp, "down_proj"):
         return None
     up: list[torch.Tensor] | None = [_absent()] * 3
-    if isinstance(mlp, FusedGatedMLP):
+    fused = getattr(mlp, "gate_up_proj", None) if isinstance(mlp, FusedGatedMLP) else None
+    if fused is not None and not (type(fused) is nn.Linear or hasattr(fused, "dense_weight")):
+        gate = _projection(fused, groups)  # an int8 fused projection (a self-speculative draft's)
+    elif fused is not None:
         bias = mlp.gate_up_bias
         weight = mlp.gate_up_weight.detach()
         gate = None if weight.dtype != torch.float32 else [weight, _absent(), _absent() if bias is None else bias]
-    elif hasattr(mlp, "gate_up"):  # the int8 copy's fused MLP (speculative.draft._GatedMLP)
-        gate = _projection(mlp.gate_up, groups)
     elif hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
         gate, up = _projection(mlp.gate_proj, groups), _projection(mlp.up_proj, groups)
     else:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import IncompatibleOptionsError
+from ..core.errors import IncompatibleOptionsError
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
 from .screen import HeadScreen
@@ -178,7 +178,7 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
     it does not apply: the logits must be exactly ``lm_head(model.model(...))`` (the lean draft architectures,
     forward not replaced on the instance, no hooks), the head a float32 ``nn.Linear`` on the CPU, and the W8A16
     kernel (AVX-512 VNNI build of the draft's native layers) available for its width; not under tensor parallelism."""
-    from ..dispatch import is_tensor_parallel
+    from ..core.dispatch import is_tensor_parallel
     from .lean import LEAN_MODEL_TYPES, has_hooks, native_module
 
     head = getattr(model, "lm_head", None)

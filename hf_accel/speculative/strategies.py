@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import IncompatibleOptionsError
+from ..core.errors import IncompatibleOptionsError
 from .policy import SpeculationPolicy, StepCost
 
 __all__ = ["AdaptiveK", "Composite", "PromptLookup", "Proposal", "Strategy"]

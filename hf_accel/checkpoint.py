@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import Int8Config
-from ..dispatch import model_dtype
-from ..errors import IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
-from .bnb import is_bnb_linear
-from .linear import Int8Linear
+from .core.config import Int8Config
+from .core.dispatch import model_dtype
+from .core.errors import IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
+from .core.state import get_state
+from .quant.bnb import is_bnb_linear
+from .quant.linear import Int8Linear
 
 __all__ = ["load_quantized", "save_quantized"]
 
@@ -48,9 +49,7 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
     """
     from safetensors.torch import save_file
 
-    from ..patch import _get_state
-
-    state = _get_state(model)
+    state = get_state(model)
     cfg = getattr(state.config, "int8", None) if state is not None else None
     if cfg is not None and any(is_bnb_linear(m) for m in model.modules()):
         raise IncompatibleOptionsError(
@@ -142,7 +141,7 @@ def load_quantized(
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..patch import patch_model, unpatch_model
+    from .patch import patch_model, unpatch_model
 
     folder = Path(path)
     record = _read_record(folder)

@@ -129,9 +129,10 @@ def get_attr_path(root: nn.Module, path: str) -> nn.Module:
     return obj
 
 
-def decoder_linears(model: nn.Module, parts: ModelParts) -> list[tuple[str, nn.Linear]]:
-    """``(name, module)`` of every plain ``nn.Linear`` inside the decoder layers, plus the LM head."""
-    prefix, head = f"{parts.spec.layers}.", parts.spec.lm_head
+def decoder_linears(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Linear]]:
+    """``(name, module)`` of every plain ``nn.Linear`` inside the decoder layers (a fused MLP's ``gate_up_proj``
+    included), plus the LM head."""
+    prefix, head = f"{spec.layers}.", spec.lm_head
     return [
         (name, module)
         for name, module in model.named_modules()

@@ -30,6 +30,9 @@ class Recorder:
 
     def __init__(self) -> None:
         self._changes: list[_Change] = []
+        self._attrs: list[tuple[Any, str]] = []  # (object, name) of every instance attribute set
+        #: implementation choices: ``{feature: {what: {"uses": ..., "why": ..., "not": {alternative: why not}}}}``
+        self.choices: dict[str, dict[str, dict[str, Any]]] = {}
 
     def __len__(self) -> int:
         return len(self._changes)
@@ -52,8 +55,10 @@ class Recorder:
         """Set a plain (non-module, non-parameter) attribute in ``obj.__dict__``, e.g. a bound method."""
         old = obj.__dict__.get(name, _MISSING)
         obj.__dict__[name] = value
+        self._attrs.append((obj, name))
 
         def undo() -> None:
+            self._attrs = [(o, n) for o, n in self._attrs if not (o is obj and n == name)]
             if old is _MISSING:
                 obj.__dict__.pop(name, None)
             else:
@@ -90,6 +95,15 @@ class Recorder:
 
         self.call(feature, what, free, restore)
 
+    def instance_attrs(self, obj: Any) -> list[str]:
+        """Names of the attributes :meth:`set_instance_attr` set on ``obj`` (and not undone yet)."""
+        return [name for owner, name in self._attrs if owner is obj]
+
+    def choose(self, feature: str, what: str, uses: str, why: str, rejected: dict[str, str] | None = None) -> None:
+        """Record which implementation ``feature`` runs for ``what`` and why (and why not each other one), for
+        ``patch_report``; changes nothing on the model."""
+        self.choices.setdefault(feature, {})[what] = {"uses": uses, "why": why, "not": dict(rejected or {})}
+
     def note(self, feature: str, what: str) -> None:
         """Record a decision that changed nothing (e.g. a module left as it is), so reports can count it."""
         self._changes.append(_Change(feature, what, lambda: None))
@@ -98,3 +112,4 @@ class Recorder:
         """Reverse every recorded change, newest first, and forget them."""
         while self._changes:
             self._changes.pop().undo()
+        self.choices.clear()
