@@ -20,6 +20,7 @@ from .core.errors import FeatureNotAvailableError, IncompatibleOptionsError
 from .core.metrics import StepClock
 from .core.recorder import Recorder
 from .core.state import PatchState
+from .paged.cache import PagedCache
 
 __all__ = ["PLUGIN_KWARGS", "bind_generate"]
 
@@ -85,7 +86,7 @@ def _new_tokens(sequences: torch.Tensor, prompt_len: int, eos: set[int]) -> int:
 
 def _kv_bytes(call: GenerateCall, out: Any, real_fraction: float) -> tuple[int | None, int | None]:
     cache = call.kwargs.get("cache")
-    if cache is not None and hasattr(cache, "stats"):  # hf_accel's PagedCache: the pool, and its high-water mark
+    if isinstance(cache, PagedCache):  # the pool, and its high-water mark
         stats = cache.stats()
         return int(stats["bytes_reserved"]), int(stats["peak_blocks_used"]) * cache.block_bytes
     cache = getattr(out, "cache", None) if not isinstance(out, torch.Tensor) else None

@@ -13,7 +13,7 @@ from hf_accel.paged.blocks import BlockManager
 
 
 def make(num_blocks=8, block_size=4, max_batch_tokens=16, max_running=4, prefix_cache=False):
-    return Scheduler(BlockManager(num_blocks, block_size), max_batch_tokens, max_running, prefix_cache)
+    return Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_batch_tokens, max_running)
 
 
 def seq(rid, prompt_len, max_new=4, first=10):
@@ -83,7 +83,7 @@ def test_capacity_and_empty_prompt_errors():
     with pytest.raises(ValueError, match="the prompt is empty"):
         s.add(SeqState(1, [], 0, 4, arrival=1))
     with pytest.raises(ValueError, match="max_running <= max_batch_tokens"):
-        Scheduler(BlockManager(2, 4), max_batch_tokens=2, max_running=3, prefix_cache=False)
+        Scheduler(BlockManager(2, 4, prefix_cache=False), max_batch_tokens=2, max_running=3)
 
 
 def test_prefix_reuse_skips_cached_blocks():

@@ -10,7 +10,7 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 import hf_accel
 from hf_accel import CacheFullError, IncompatibleOptionsError, PagedCache, PagedConfig
 from hf_accel.paged import attention as paged_attention
-from hf_accel.paged.cache import PagedLayer
+from hf_accel.paged.layer import PagedLayer
 
 # block_size 16: lengths shorter than a block, exactly one, just past one, and several
 BATCHES = {1: [5], 3: [3, 17, 33], 8: [1, 7, 15, 16, 17, 31, 33, 40]}

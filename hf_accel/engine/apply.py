@@ -30,6 +30,6 @@ def bind_generate_many(model: nn.Module, recorder: Recorder) -> None:
                 engine = extras["engine"] = Engine(model, tokenizer)
         elif engine.model is not model:
             raise IncompatibleOptionsError("generate_many(engine=...) got an engine built for another model")
-        return engine.generate_many(prompts, **kwargs)
+        return engine.generate_many(prompts, **generate_kwargs)
 
     recorder.set_instance_attr("paged", model, "generate_many", generate_many, "generate_many bound")

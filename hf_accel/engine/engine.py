@@ -30,7 +30,8 @@ from ..core.config import PagedConfig
 from ..core.errors import IncompatibleOptionsError, NotPatchedError
 from ..core.state import get_state
 from ..paged.attention import DECODE_MAX_QUERY
-from ..paged.cache import PagedCache, uses_paged_attention
+from ..paged.cache import PagedCache
+from ..paged.layer import uses_paged_attention
 from ..speculative.verify import verify_greedy, verify_sampling
 from .request import END, FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec
 from .scheduler import Phase, Scheduler, SeqState, Work
@@ -113,7 +114,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = device_of(model)
         self.cache = PagedCache.from_config(model, cfg)
-        self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running)
         self._lock = threading.Condition()
         self._inbox: list[tuple[Tracked, SeqState]] = []
         self._cancels: list[int] = []

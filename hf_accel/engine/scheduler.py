@@ -108,10 +108,12 @@ class Scheduler:
         manager: the block manager of the pool the model's cache uses.
         max_batch_tokens: tokens fed per step, all sequences together (``>= max_running``).
         max_running: sequences in the running batch.
-        prefix_cache: reuse published prompt blocks and publish finished / preempted ones.
+
+    Prompt blocks are reused and finished / preempted sequences' blocks published through the manager's prefix
+    table (a :class:`~hf_accel.paged.prefix.NullPrefixTable` when prefix caching is off: nothing is).
     """
 
-    def __init__(self, manager: BlockManager, max_batch_tokens: int, max_running: int, prefix_cache: bool) -> None:
+    def __init__(self, manager: BlockManager, max_batch_tokens: int, max_running: int) -> None:
         if max_running < 1 or max_batch_tokens < max_running:
             raise ValueError(
                 f"need 1 <= max_running <= max_batch_tokens, got max_running={max_running}, "
@@ -120,7 +122,6 @@ class Scheduler:
         self.manager = manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        self.prefix_cache = prefix_cache
         self.waiting: list[SeqState] = []  # sorted by arrival
         self.running: list[SeqState] = []  # sorted by arrival
         self.preemptions = 0
@@ -165,8 +166,7 @@ class Scheduler:
     def _release(self, state: SeqState) -> None:
         if state.seq is None:
             return
-        if self.prefix_cache:
-            self.manager.publish(state.seq, state.tokens[: state.computed])
+        self.manager.publish(state.seq, state.tokens[: state.computed])
         self.manager.free(state.seq)
         state.seq = None
         state.computed = 0
@@ -246,7 +246,7 @@ class Scheduler:
 
     def _attach(self, state: SeqState) -> None:
         """Give a waiting sequence its block table, adopting the longest cached prefix of its tokens."""
-        blocks = self.manager.match_prefix(state.tokens[:-1]) if self.prefix_cache else []
+        blocks = self.manager.match_prefix(state.tokens[:-1])
         n = len(blocks) * self.manager.block_size
         state.seq = self.manager.adopt(blocks, n) if n else self.manager.new_sequence()
         state.computed = n
@@ -282,6 +282,6 @@ class Scheduler:
 
     def publish_prompt(self, state: SeqState) -> None:
         """Publish the prompt's full blocks once they are computed (later requests with that prefix reuse them)."""
-        if self.prefix_cache and not state.prompt_published and state.computed >= state.prompt_len:
+        if not state.prompt_published and state.computed >= state.prompt_len:
             self.manager.publish(state.seq, state.tokens[: state.prompt_len])  # type: ignore[arg-type]
             state.prompt_published = True

@@ -30,8 +30,8 @@ from ..core.dispatch import check_resident, is_sharded, transfer_hook
 from ..core.errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
-from ..paged.cache import uses_paged_attention
 from ..paged.compiled import CompiledPagedDecode, define_paged_op
+from ..paged.layer import uses_paged_attention
 from .mlp import FusedGatedMLP
 from .packed import PackedLinear, define_compiled_op, packing_unavailable, unpack_linears
 

@@ -17,7 +17,8 @@ from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
 from .attention import register, unpaged_name
-from .cache import PAGED_ATTENTION_PREFIX, PagedCache, uses_paged_attention
+from .cache import PagedCache
+from .layer import PAGED_ATTENTION_PREFIX, uses_paged_attention
 from .runner import run_paged
 
 if TYPE_CHECKING:

@@ -33,8 +33,9 @@ from torch import nn
 
 from .._ext import extension_status, load_extension
 from ..core.errors import IncompatibleOptionsError
-from .cache import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, _Step
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
+from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer
+from .plan import StepPlan
 
 __all__ = [
     "DECODE_MAX_QUERY",
@@ -240,7 +241,7 @@ def attend(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    step: _Step,
+    step: StepPlan,
     scale: float,
     window: int,
     softcap: float,
@@ -273,7 +274,7 @@ def _kernel_attention(
 
 def _attend_row(
     layer: PagedLayer,
-    step: _Step,
+    step: StepPlan,
     row: int,
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -295,7 +296,7 @@ def attend_packed(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    step: _Step,
+    step: StepPlan,
     scale: float,
     window: int,
     softcap: float,
@@ -346,7 +347,7 @@ def gather_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    step: _Step,
+    step: StepPlan,
     scale: float,
     window: int,
     softcap: float,

@@ -7,21 +7,19 @@ a prefix table under a chained key of their tokens, so a later sequence with the
 them instead of recomputing them. The prefix table holds one reference on every block it publishes; such
 blocks are evicted (least recently used first) only when the pool would otherwise be full.
 
-Running out of blocks is a state, not an error: :meth:`BlockManager.append_slots` returns ``None`` and
-changes nothing. Misuse (an unknown sequence, a negative count) raises ``ValueError``/``KeyError``.
+The prefix table itself is :mod:`.prefix` (:class:`~.prefix.PrefixTable`, or :class:`~.prefix.NullPrefixTable` for
+a manager without prefix reuse). Running out of blocks is a state, not an error: :meth:`BlockManager.append_slots`
+returns ``None`` and changes nothing. Misuse (an unknown sequence, a negative count) raises ``ValueError``/``KeyError``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["BlockCopy", "BlockManager", "BlockPool", "PrefixKey"]
+from .prefix import NullPrefixTable, PrefixTable
 
-#: A prefix-table key: ``(entry id of the previous block or -1, tokens of this block)``; exact, collision-free.
-#: Entry ids are never reused, so a key cannot come to mean another prefix after an eviction.
-PrefixKey = tuple[int, tuple[int, ...]]
+__all__ = ["BlockCopy", "BlockManager", "BlockPool"]
 
 
 class BlockPool:
@@ -87,30 +85,34 @@ class _Seq:
     num_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class _Entry:
-    block: int
-    eid: int
-
-
 class BlockManager:
     """Per-sequence block tables over a :class:`BlockPool`, with fork, copy-on-write and a prefix table.
 
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block (``>= 1``).
+        prefix_cache: keep a :class:`~.prefix.PrefixTable` (publish / match / evict); ``False``: a
+            :class:`~.prefix.NullPrefixTable` (publishing does nothing, nothing ever matches).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self._seqs: dict[int, _Seq] = {}
         self._next_id = 0
-        self._prefix: OrderedDict[PrefixKey, _Entry] = OrderedDict()  # least recently used first
-        self._block_key: dict[int, PrefixKey] = {}
-        self._next_eid = 0
+        self.prefix: PrefixTable | NullPrefixTable = (
+            PrefixTable(block_size, self.pool.incref, self.pool.decref, self.pool.refcount)
+            if prefix_cache
+            else NullPrefixTable()
+        )
+        #: bumped whenever a sequence's block table changes (tensor copies of tables are rebuilt only then)
+        self.versions: dict[int, int] = {}
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.prefix.enabled
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -124,12 +126,12 @@ class BlockManager:
 
     @property
     def num_evictable(self) -> int:
-        """Cached prefix blocks that only the prefix table still references."""
-        return sum(1 for e in self._prefix.values() if self.pool.refcount(e.block) == 1)
+        """Cached prefix blocks that only the prefix table still references (an O(1) counter)."""
+        return self.prefix.num_evictable
 
     @property
     def num_cached(self) -> int:
-        return len(self._prefix)
+        return self.prefix.num_cached
 
     def sequences(self) -> list[int]:
         return list(self._seqs)
@@ -145,7 +147,7 @@ class BlockManager:
         return sum(1 for b in range(self.num_blocks) if self._seq_refs(b) > 1)
 
     def _seq_refs(self, block: int) -> int:
-        return self.pool.refcount(block) - (1 if block in self._block_key else 0)
+        return self.pool.refcount(block) - (1 if self.prefix.holds(block) else 0)
 
     def _get(self, seq: int) -> _Seq:
         try:
@@ -153,18 +155,32 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"unknown sequence {seq}") from None
 
+    def _incref(self, block: int) -> None:
+        before = self.pool.refcount(block)
+        self.pool.incref(block)
+        self.prefix.ref_changed(block, before, before + 1)
+
+    def _decref(self, block: int) -> None:
+        before = self.pool.refcount(block)
+        self.pool.decref(block)
+        self.prefix.ref_changed(block, before, before - 1)
+
+    def _changed(self, seq: int) -> None:
+        self.versions[seq] = self.versions.get(seq, 0) + 1
+
     # --------------------------------------------------------------------------------------- lifecycle
     def new_sequence(self) -> int:
         seq = self._next_id
         self._next_id += 1
         self._seqs[seq] = _Seq()
+        self.versions[seq] = 0
         return seq
 
     def fork(self, seq: int) -> int:
         """A new sequence sharing every block of ``seq`` (no data copied)."""
         parent = self._get(seq)
         for b in parent.blocks:
-            self.pool.incref(b)
+            self._incref(b)
         child = self.new_sequence()
         self._seqs[child] = _Seq(list(parent.blocks), parent.num_tokens)
         return child
@@ -172,8 +188,9 @@ class BlockManager:
     def free(self, seq: int) -> None:
         """Release every block of ``seq``; blocks still shared or cached stay allocated."""
         for b in self._get(seq).blocks:
-            self.pool.decref(b)
+            self._decref(b)
         del self._seqs[seq]
+        del self.versions[seq]
 
     def truncate(self, seq: int, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens of ``seq`` (speculative rollback); frees emptied blocks."""
@@ -181,9 +198,11 @@ class BlockManager:
         if not 0 <= num_tokens <= s.num_tokens:
             raise ValueError(f"cannot truncate sequence {seq} of {s.num_tokens} tokens to {num_tokens}")
         keep = -(-num_tokens // self.block_size)
-        for b in s.blocks[keep:]:
-            self.pool.decref(b)
-        del s.blocks[keep:]
+        if keep < len(s.blocks):
+            for b in s.blocks[keep:]:
+                self._decref(b)
+            del s.blocks[keep:]
+            self._changed(seq)
         s.num_tokens = num_tokens
 
     # -------------------------------------------------------------------------------------- appending
@@ -200,7 +219,7 @@ class BlockManager:
         return total + cow
 
     def _writable(self, block: int) -> bool:
-        return self.pool.refcount(block) == 1 and block not in self._block_key
+        return self.pool.refcount(block) == 1 and not self.prefix.holds(block)
 
     def append_slots(self, seq: int, count: int) -> tuple[list[int], list[BlockCopy]] | None:
         """Reserve slots for ``count`` new tokens of ``seq``.
@@ -219,10 +238,12 @@ class BlockManager:
         if count and used and not self._writable(s.blocks[-1]):
             (fresh,) = self.pool.allocate(1)  # type: ignore[misc]  # reclaim guaranteed it
             copies.append(BlockCopy(s.blocks[-1], fresh, used))
-            self.pool.decref(s.blocks[-1])
+            self._decref(s.blocks[-1])
             s.blocks[-1] = fresh
         grow = needed - len(copies)
         s.blocks.extend(self.pool.allocate(grow) or [])
+        if needed:
+            self._changed(seq)
         start = s.num_tokens
         slots = [
             s.blocks[t // self.block_size] * self.block_size + t % self.block_size for t in range(start, start + count)
@@ -236,64 +257,24 @@ class BlockManager:
             return True
         if needed > self.pool.num_free + self.num_evictable:
             return False
-        for key in list(self._prefix):
-            if self.pool.num_free >= needed:
-                break
-            if self.pool.refcount(self._prefix[key].block) == 1:
-                self._unpublish(key)
+        self.prefix.evict(needed - self.pool.num_free)
         return True
 
-    def _unpublish(self, key: PrefixKey) -> None:
-        entry = self._prefix.pop(key)
-        del self._block_key[entry.block]
-        self.pool.decref(entry.block)
-
     # ---------------------------------------------------------------------------------- prefix sharing
-    def _blocks_of(self, tokens: Sequence[int]) -> list[tuple[int, ...]]:
-        bs = self.block_size
-        return [tuple(int(t) for t in tokens[i : i + bs]) for i in range(0, len(tokens) - bs + 1, bs)]
-
     def publish(self, seq: int, tokens: Sequence[int]) -> int:
         """Publish the full blocks of ``seq`` in the prefix table; ``tokens`` are its first tokens.
 
         Returns:
-            The number of blocks newly published.
+            The number of blocks newly published (0 without a prefix table).
         """
         s = self._get(seq)
         if len(tokens) > s.num_tokens:
             raise ValueError(f"sequence {seq} holds {s.num_tokens} tokens; got {len(tokens)} to publish")
-        added, parent = 0, -1
-        for i, chunk in enumerate(self._blocks_of(tokens)):
-            key = (parent, chunk)
-            entry = self._prefix.get(key)
-            if entry is not None:
-                self._prefix.move_to_end(key)
-            else:
-                block = s.blocks[i]
-                if block in self._block_key:  # already published under another key: keep the first meaning
-                    entry = self._prefix[self._block_key[block]]
-                else:
-                    entry = _Entry(block, self._next_eid)
-                    self._next_eid += 1
-                    self._prefix[key] = entry
-                    self._block_key[block] = key
-                    self.pool.incref(block)
-                    added += 1
-            parent = entry.eid
-        return added
+        return self.prefix.publish(s.blocks, tokens)
 
     def match_prefix(self, tokens: Sequence[int]) -> list[int]:
         """The cached blocks holding the longest published prefix of ``tokens`` (full blocks only)."""
-        blocks: list[int] = []
-        parent = -1
-        for chunk in self._blocks_of(tokens):
-            entry = self._prefix.get((parent, chunk))
-            if entry is None:
-                break
-            self._prefix.move_to_end((parent, chunk))
-            blocks.append(entry.block)
-            parent = entry.eid
-        return blocks
+        return self.prefix.match(tokens)
 
     def adopt(self, blocks: Sequence[int], num_tokens: int) -> int:
         """A new sequence whose first ``num_tokens`` tokens are the contents of ``blocks`` (shared)."""
@@ -301,15 +282,14 @@ class BlockManager:
             raise ValueError(f"{len(blocks)} blocks cannot hold {num_tokens} tokens")
         keep = list(blocks[: -(-num_tokens // self.block_size)])
         for b in keep:
-            self.pool.incref(b)
+            self._incref(b)
         seq = self.new_sequence()
         self._seqs[seq] = _Seq(keep, num_tokens)
         return seq
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix block not used by a live sequence, and forget all published keys."""
-        for key in list(self._prefix):
-            self._unpublish(key)
+        self.prefix.clear()
 
     # ---------------------------------------------------------------------------------------- checking
     def check_invariants(self) -> None:
@@ -320,11 +300,15 @@ class BlockManager:
                 expected[b] += 1
             if len(s.blocks) != -(-s.num_tokens // self.block_size):
                 raise AssertionError(f"sequence with {s.num_tokens} tokens has {len(s.blocks)} blocks")
-        for e in self._prefix.values():
-            expected[e.block] += 1
+        published = self.prefix.blocks()
+        for b in published:
+            expected[b] += 1
         actual = [self.pool.refcount(b) for b in range(self.num_blocks)]
         if expected != actual:
             raise AssertionError(f"refcounts {actual} != owners {expected}")
         free = set(self.pool._free)
         if len(free) != len(self.pool._free) or free != {b for b in range(self.num_blocks) if expected[b] == 0}:
             raise AssertionError("free list disagrees with reference counts")
+        evictable = sum(1 for b in published if actual[b] == 1)
+        if evictable != self.num_evictable:
+            raise AssertionError(f"evictable counter {self.num_evictable} != {evictable} cached-only blocks")

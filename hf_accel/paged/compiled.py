@@ -31,7 +31,9 @@ from torch import nn
 
 from .._ext import define_op
 from .attention import DECODE_MAX_QUERY, PLAN_KWARG, dense_attention, kernel_usable, native_kernel
-from .cache import PagedCache, token_slots, uses_paged_attention
+from .cache import PagedCache
+from .layer import uses_paged_attention
+from .plan import token_slots
 
 __all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
 
@@ -183,7 +185,7 @@ class CompiledPagedDecode:
         ids = kwargs.get("input_ids")
         if args or not _STEP_KWARGS.issuperset(kwargs):
             return None
-        if not isinstance(cache, PagedCache) or cache._pinned is not None:  # pinned: the engine's packed chunks
+        if not isinstance(cache, PagedCache) or cache.pinned:  # pinned: the engine's packed chunks
             return None
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or kwargs.get("use_cache") is False:
             return None

@@ -47,10 +47,8 @@ class PagedRowTracker(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._first:
             self._first = False
-            if self.cache.prefix_cache:
-                for row in range(input_ids.shape[0]):
-                    if not self.cache.released(row):
-                        self.cache.manager.publish(self.cache._rows[row], input_ids[row, self.pads[row] :].tolist())
+            for row in range(input_ids.shape[0]):  # (a cache without prefix reuse publishes nothing)
+                self.cache.publish_row(row, input_ids[row, self.pads[row] :].tolist())
             return scores
         if self.release and input_ids.shape[1] > self.prompt_len:
             done = torch.isin(input_ids[:, -1].cpu(), self.eos).tolist()
@@ -108,7 +106,7 @@ def run_paged(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[
     Raises:
         IncompatibleOptionsError: the cache was built for another model, or the call uses ``inputs_embeds``.
     """
-    if cache._model_id != id(model):
+    if not cache.belongs_to(model):
         raise IncompatibleOptionsError(
             "this PagedCache was built for another model; build one per model: hf_accel.PagedCache(model)"
         )
@@ -129,7 +127,7 @@ def run_paged(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[
     processors = call.kwargs.get("logits_processor") or LogitsProcessorList()
     call.kwargs["logits_processor"] = LogitsProcessorList([*processors, tracker])
     out = proceed()
-    if cache.prefix_cache and not beams:
+    if not beams:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
         new = sequences.shape[1] - mask.shape[1]
         full = torch.cat([mask.repeat_interleave(expand, 0), mask.new_ones(mask.shape[0] * expand, new)], 1)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
+from ..core.protocols import RowRollback
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
 from .screen import HeadScreen
@@ -148,7 +149,7 @@ def _has_sliding_layers(cache: Any) -> bool:
 
 
 def _check_cache(model: nn.Module, cache: Any, max_length: int) -> None:
-    if hasattr(cache, "rollback_rows"):  # hf_accel's PagedCache: per-row rollback, any window
+    if isinstance(cache, RowRollback):  # hf_accel's PagedCache: per-row rollback, any window
         return
     if _is_static(cache) or not hasattr(cache, "crop"):
         raise IncompatibleOptionsError(
@@ -326,7 +327,7 @@ class _Loop:
             self.strategy.finish()
             if self.policy is not None:
                 self.stats.plain_steps = self.policy.plain_steps
-            if hasattr(cache, "rollback_rows"):
+            if isinstance(cache, RowRollback):
                 cache.reset()  # rows were re-indexed as they finished: nothing of them is published
         if self.streamer is not None:
             self.streamer.end()
@@ -547,7 +548,7 @@ class _Loop:
             sequences=sequences,
             scores=stacked(0),
             logits=stacked(1),
-            cache=None if hasattr(cache, "rollback_rows") else cache,
+            cache=None if isinstance(cache, RowRollback) else cache,
             speculative=self.stats.as_dict(),
         )
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.protocols import RowRollback
+
 __all__ = ["LEAN_MAX_WIDTH", "RaggedCache"]
 
 #: Widest chunk a ``step`` function runs (a draft's one-token steps, its catch-ups of a few tokens and its
@@ -44,7 +46,7 @@ class RaggedCache:
         self.model = model
         self.cache = cache
         self.mask = mask.long()  # [B, T]: 1 = real token, 0 = padding / hole
-        self.paged = hasattr(cache, "rollback_rows")
+        self.paged = isinstance(cache, RowRollback)
         # (ids, mask, positions, cache, last, hidden) -> [B, C or last, V or E]
         self.step = None if self.paged else step
 

@@ -1,0 +1,139 @@
+"""One decoder layer's part of a :class:`~.cache.PagedCache`: its K and V pools, the checks on what the model
+hands the cache, and the pool reads and writes the paged attention function does."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import CacheLayerMixin
+
+from ..core.errors import IncompatibleOptionsError
+from .blocks import BlockCopy
+from .plan import StepPlan, context_slots
+
+if TYPE_CHECKING:
+    from .cache import PagedCache
+
+__all__ = ["LAYER_TAG", "PAGED_ATTENTION_PREFIX", "PagedLayer", "uses_paged_attention"]
+
+#: Attention implementations registered by hf_accel are named ``"hf_accel_paged:<base>"``.
+PAGED_ATTENTION_PREFIX = "hf_accel_paged:"
+#: Attribute set on the K tensor ``update`` returns: the :class:`PagedLayer` it belongs to.
+LAYER_TAG = "_hf_accel_paged_layer"
+
+
+def uses_paged_attention(model: nn.Module) -> bool:
+    """Whether ``model`` currently runs hf_accel's paged attention (its ``_attn_implementation`` is a paged one)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    return isinstance(impl, str) and impl.startswith(PAGED_ATTENTION_PREFIX)
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's K/V pools. Sequence bookkeeping lives in the owning :class:`PagedCache`."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.device = device
+        self.dtype = dtype
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # [NB, BS, H_kv, D]; never read before written
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.is_initialized = True
+        self.pending = False  # K/V handed out by update() and not yet written by the attention function
+
+    def __repr__(self) -> str:
+        return f"PagedLayer({self.layer_idx})"
+
+    # --- CacheLayerMixin contract (sequence state is the cache's) ---
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        """Hand this layer's new K/V ([B, H_kv, Q, D]) to the paged attention function, tagged with the layer.
+
+        Raises:
+            IncompatibleOptionsError: the model does not run hf_accel's paged attention, K/V do not match the pool
+                (another model, dtype or device), or the last K/V handed out never reached the attention function.
+        """
+        cache = self.cache
+        impl = getattr(cache.config, "_attn_implementation", None) or ""
+        if not impl.startswith(PAGED_ATTENTION_PREFIX):
+            raise IncompatibleOptionsError(
+                f"PagedCache needs hf_accel's paged attention, but the model's attention implementation is {impl!r}; "
+                "patch the model first: hf_accel.patch_model(model) (the 'paged' feature)"
+            )
+        if key_states.shape[1] != cache.kv_heads or key_states.shape[-1] != cache.head_dim:
+            raise IncompatibleOptionsError(
+                f"PagedCache was built for K/V of {cache.kv_heads} heads x {cache.head_dim} dims, got "
+                f"{tuple(key_states.shape)}: a PagedCache belongs to the model it was built for"
+            )
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise IncompatibleOptionsError(
+                f"PagedCache layer {self.layer_idx} holds {self.dtype} on {self.device}, but the model produced "
+                f"{key_states.dtype} on {key_states.device}; build the cache after moving/casting the model"
+            )
+        if self.pending:
+            raise IncompatibleOptionsError(
+                f"layer {self.layer_idx}'s previous K/V never reached hf_accel's paged attention: the attention "
+                "function of this architecture does not consume the cache's output; paged generation is unsupported"
+            )
+        self.pending = True
+        setattr(key_states, LAYER_TAG, self)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # the pool keeps its storage; the cache drops the tables
+        self.pending = False
+
+    def offload(self) -> None:
+        raise IncompatibleOptionsError("PagedCache does not support offloading; size the pool instead")
+
+    def prefetch(self) -> None:
+        return None
+
+    # --- pool access ---
+    def write(self, key: torch.Tensor, value: torch.Tensor, step: StepPlan) -> None:
+        """Store the real tokens of this chunk. ``key``/``value``: [B, H_kv, Q, D]."""
+        self.pending = False
+        t = step.tensors(self.device)
+        self.copy_blocks(step.copies)
+        if t["slots"].numel() == 0:
+            return
+        k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Q, H_kv, D]
+        if step.all_valid:
+            k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        else:
+            k, v = k[t["valid"]], v[t["valid"]]  # [N, H_kv, D]
+        flat = (-1, *self.keys.shape[2:])
+        self.keys.view(flat).index_copy_(0, t["slots"], k.to(self.dtype))
+        self.values.view(flat).index_copy_(0, t["slots"], v.to(self.dtype))
+
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write of shared partial blocks: each copy's first tokens from ``src`` to ``dst``."""
+        for c in copies:
+            self.keys[c.dst, : c.num_tokens] = self.keys[c.src, : c.num_tokens]
+            self.values[c.dst, : c.num_tokens] = self.values[c.src, : c.num_tokens]
+
+    def context(self, row: int, step: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s whole stored context, gathered: ``[H_kv, S, D]`` each (dense path only)."""
+        slots = context_slots(self.cache.manager, self.cache.tables, step, row).to(self.device)
+        flat = (-1, *self.keys.shape[2:])
+        k = self.keys.view(flat).index_select(0, slots).transpose(0, 1)
+        v = self.values.view(flat).index_select(0, slots).transpose(0, 1)
+        return k, v
