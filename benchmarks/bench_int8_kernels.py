@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_accel
-from hf_accel.quant.kernel import native_kernel, w8a8_kernel
+from hf_accel.kernels.ops import choose
 
 
 def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
@@ -43,19 +43,19 @@ def make_passes(
 ) -> dict[str, tuple[Callable[[], object], int]]:  # fmt: skip
     """name -> (one pass over every layer, bytes of weights it reads)."""
     total = stream.numel()
-    weight_only, w8a8 = native_kernel(None), w8a8_kernel()
+    weight_only, w8a8 = choose("int8_linear", "cpu", group_size=None), choose("w8a8_linear", "cpu", groups=1)
     pairs = list(zip(qs, scales, strict=True))
     passes: dict[str, tuple[Callable[[], object], int]] = {
         "stream read (int8 amax)": (stream.amax, total),
         "fp32 F.linear": (lambda: [F.linear(xs[w.shape[1]], w) for w in floats], 4 * total),
     }
-    if weight_only is not None:
-        passes["int8 weight-only kernel"] = (
-            lambda: [weight_only.int8_linear(xs[q.shape[1]], q, s) for q, s in pairs],
+    if weight_only.native:
+        passes[f"int8 weight-only kernel ({weight_only.impl})"] = (
+            lambda: [weight_only.fn(xs[q.shape[1]], q, s) for q, s in pairs],
             total,
         )
-    if w8a8 is not None:
-        passes["int8 W8A8 kernel"] = (lambda: [w8a8.w8a8_linear(xs[q.shape[1]], q, s) for q, s in pairs], total)
+    if w8a8.native:
+        passes[f"int8 W8A8 kernel ({w8a8.impl})"] = (lambda: [w8a8.fn(xs[q.shape[1]], q, s) for q, s in pairs], total)
     return passes
 
 

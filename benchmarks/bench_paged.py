@@ -27,7 +27,7 @@ from transformers import StoppingCriteriaList
 import hf_accel
 from hf_accel import PagedCache
 from hf_accel.core.metrics import StepClock
-from hf_accel.paged.attention import kernel_status, native_kernel
+from hf_accel.kernels.ops import choose
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")  # real English text shipped with Debian
 
@@ -89,10 +89,9 @@ def bench_memory(model, tok, max_prompt: int) -> None:
 
 
 def bench_attention() -> None:
-    k = native_kernel()
-    print(
-        f"\n(b) decode attention per step (SmolLM2 geometry: 9 heads, 3 KV heads, dim 64; block 16); {kernel_status()}"
-    )
+    choice = choose("paged_attention", "cpu", dtype=torch.float32, block_size=16, head_dim=64)
+    k = choice if choice.native else None
+    print(f"\n(b) decode attention per step (SmolLM2 geometry: 9 heads, 3 KV heads, dim 64; block 16); {choice.impl}")
     print("| batch | context | SDPA contiguous (us) | paged kernel (us) | kernel / SDPA | gather fallback / SDPA |")
     print("|---|---|---|---|---|---|")
     heads, kv_heads, dim, bs = 9, 3, 64, 16
@@ -120,9 +119,7 @@ def bench_attention() -> None:
                 lambda q=q, kc=kc, vc=vc, sc=scale: F.scaled_dot_product_attention(q, kc, vc, scale=sc, enable_gqa=True)
             )
             t_kernel = (
-                timed(
-                    lambda q=q, kp=kp, vp=vp, t=tables, p=pos, sc=scale: k.paged_attention(q, kp, vp, t, p, sc, 0, 0.0)
-                )
+                timed(lambda q=q, kp=kp, vp=vp, t=tables, p=pos, sc=scale: k.fn(q, kp, vp, t, p, sc, 0, 0.0))
                 if k is not None
                 else float("nan")
             )

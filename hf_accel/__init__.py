@@ -8,7 +8,15 @@ Quick start::
 """
 
 from .checkpoint import load_quantized, save_quantized
-from .core.config import AccelConfig, CompileConfig, FusedMLPConfig, Int8Config, PagedConfig, SpeculativeConfig
+from .core.config import (
+    AccelConfig,
+    CompileConfig,
+    FusedMLPConfig,
+    Int8Config,
+    NativeConfig,
+    PagedConfig,
+    SpeculativeConfig,
+)
 from .core.errors import (
     AlreadyPatchedError,
     CacheFullError,
@@ -47,6 +55,7 @@ __all__ = [
     "IncompatibleOptionsError",
     "Int8Config",
     "ModelNotFoundError",
+    "NativeConfig",
     "NotPatchedError",
     "PagedCache",
     "PagedConfig",

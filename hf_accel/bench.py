@@ -86,6 +86,7 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("fused", {**_PLAIN, "fused_mlp": True}),
         Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}),
         Technique("compile", {**_PLAIN, "fused_mlp": True, "compile": True}),
+        Technique("native", {**_PLAIN, "fused_mlp": True, "native": True}),
         Technique("int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False),
         Technique("w8a8", {**_PLAIN, "int8": Int8Config(activations="int8", keep_original=True)}, lossless=False),
         Technique(
@@ -97,6 +98,7 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}),
         Technique("draft", {**_PLAIN, "speculative": True}),  # needs --draft-model
         Technique("self-spec", {**_PLAIN, "speculative": True}, {"self_spec": True}),
+        Technique("self-spec+native", {**_PLAIN, "speculative": True, "native": True}, {"self_spec": True}),
         Technique("all", {}),
     )
 }
@@ -207,6 +209,29 @@ def _median_stats(samples: list[GenerationStats]) -> dict[str, float]:
     }
 
 
+def _measure(
+    model: nn.Module, tech: Technique, batch: int, inputs: dict[str, torch.Tensor], kwargs: dict[str, Any],
+    repeats: int, bar: Any,
+) -> tuple[BenchResult, torch.Tensor]:  # fmt: skip
+    """One warm-up (it compiles) and ``repeats`` timed calls of one technique at one batch size: the row (without
+    the baseline comparison) and the last output."""
+    with torch.inference_mode():
+        model.generate(**inputs, **{**kwargs, "max_new_tokens": 4})
+        bar.update()
+        bar.set_postfix_str(f"{tech.name} batch {batch}")
+        samples, out = [], None
+        for _ in range(repeats):
+            out = model.generate(**inputs, **kwargs).sequences
+            samples.append(last_stats(model))
+            bar.update()
+    row = BenchResult(tech.name, batch, **_median_stats(samples))
+    last = samples[-1]
+    row.kv_mib = last.kv_bytes_used / 2**20 if last.kv_bytes_used is not None else None
+    row.peak_rss_mib = last.peak_memory_bytes / 2**20 if last.peak_memory_bytes else None
+    row.acceptance = last.speculative["acceptance_rate"] if last.speculative else None
+    return row, out
+
+
 def run_bench(
     model: nn.Module,
     tokenizer: Any,
@@ -245,23 +270,8 @@ def run_bench(
             for batch in batches:
                 batch_inputs = {k: v.to(device) for k, v in inputs[batch].items()}
                 # a dict output hands back Transformers' own cache, so its KV bytes are measured too
-                kwargs = dict(
-                    max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, **gen_kwargs
-                )
-                with torch.inference_mode():
-                    model.generate(**batch_inputs, **{**kwargs, "max_new_tokens": 4})  # warm-up (compiles)
-                    bar.update()
-                    bar.set_postfix_str(f"{tech.name} batch {batch}")
-                    samples, out = [], None
-                    for _ in range(repeats):
-                        out = model.generate(**batch_inputs, **kwargs).sequences
-                        samples.append(last_stats(model))
-                        bar.update()
-                row = BenchResult(tech.name, batch, **_median_stats(samples))
-                last = samples[-1]
-                row.kv_mib = last.kv_bytes_used / 2**20 if last.kv_bytes_used is not None else None
-                row.peak_rss_mib = last.peak_memory_bytes / 2**20 if last.peak_memory_bytes else None
-                row.acceptance = last.speculative["acceptance_rate"] if last.speculative else None
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+                row, out = _measure(model, tech, batch, batch_inputs, {**kwargs, **gen_kwargs}, repeats, bar)
                 row.ppl_delta_pct = ppl_delta
                 if tech.name == "baseline":
                     baseline_out[batch], baseline_rate[batch] = out, row.decode_tok_s

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from .compile.apply import apply_compile, bind_compile, plain_compile
 from .core.config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
 from .core.errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .core.recorder import Recorder
@@ -20,8 +21,8 @@ from .core.registry import ModelParts, resolve
 from .core.state import STATE_ATTR, Feature, PatchState, get_state
 from .engine.apply import bind_generate_many
 from .fused.apply import apply_fused_mlp
-from .fused.compile import apply_compile, bind_compile, plain_compile
 from .generate import bind_generate
+from .native.apply import apply_native
 from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8
 from .speculative.apply import apply_speculative, bind_speculative
@@ -43,6 +44,7 @@ FEATURES: dict[str, Feature] = {
     "paged": Feature(_apply_paged, lossless=True, bind=bind_paged, plain=plain_paged),
     "speculative": Feature(apply_speculative, lossless=True, bind=bind_speculative),
     "compile": Feature(apply_compile, lossless=True, bind=bind_compile, plain=plain_compile),
+    "native": Feature(apply_native, lossless=True),  # greedy-equal at near-ties in the tests; opt-in all the same
 }
 
 

@@ -49,3 +49,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.real_model)
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture
+def pretend_cpu_lacks(monkeypatch):
+    """``pretend_cpu_lacks("avx512vnni", ...)``: the kernel layer chooses as on a CPU without those builds (choices
+    made before and after the test are forgotten)."""
+    from hf_accel.kernels import build, ops
+
+    real = build.cpu_lacks
+
+    def pretend(*isas: str) -> None:
+        fake = lambda isa: f"(test) this CPU pretends to lack {isa.upper()}" if isa in isas else real(isa)  # noqa: E731
+        monkeypatch.setattr(build, "cpu_lacks", fake)
+        ops.reset_choices()
+
+    yield pretend
+    ops.reset_choices()

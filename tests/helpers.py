@@ -85,3 +85,14 @@ def chat_batch(tokenizer, prompts: list[str]):
     ]
     tokenizer.padding_side = "left"
     return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+def cpu_build(isa: str | None = None):
+    """The raw CPU extension module of build ``isa`` (``None``: the widest this CPU runs), or ``None`` where the CPU
+    lacks it: for tests that hold one build's functions to their references."""
+    from hf_accel.kernels.build import cpu_isas, extension
+
+    isas = cpu_isas()
+    if isa is None:
+        isa = isas[0] if isas else None
+    return extension(isa) if isa in isas else None

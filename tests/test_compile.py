@@ -10,7 +10,7 @@ from torch import nn
 import hf_accel
 from hf_accel import CompileConfig, IncompatibleOptionsError
 from hf_accel.fused import FusedGatedMLP
-from hf_accel.fused.packed import PackedLinear, packing_unavailable, panel_kernel, unpack_linears
+from hf_accel.fused.packed import PackedLinear, packing_unavailable, panel_choice, unpack_linears
 from hf_accel.speculative import SelfSpeculative
 
 EAGER_TRACE = CompileConfig(backend="eager", mlp=True)  # dynamo tracing without Inductor: quick, same graph logic
@@ -55,7 +55,9 @@ def test_packing_unavailable_says_why():
 
 
 LAYOUTS = ["onednn", "panel"]
-needs_panel = pytest.mark.skipif(panel_kernel() is None, reason="the panel kernel needs an AVX-512 CPU")
+needs_panel = pytest.mark.skipif(
+    not panel_choice(torch.zeros(16, 16)).native, reason="the panel kernel needs an AVX-512 CPU"
+)
 
 
 def _layout_marks(layout: str):
@@ -103,7 +105,7 @@ def test_layout_choice_and_errors():
         PackedLinear.from_module(nn.Linear(8, 16), layout="fast")
     with pytest.raises(ValueError, match="cannot pack this linear in panels: out_features 12 is not a multiple of 16"):
         PackedLinear.from_module(nn.Linear(8, 12), layout="panel")
-    expected = "panel" if panel_kernel() is not None else "onednn"
+    expected = "panel" if panel_choice(torch.zeros(16, 16)).native else "onednn"
     assert PackedLinear.from_module(nn.Linear(8, 16)).layout == expected
 
 

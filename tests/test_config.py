@@ -10,6 +10,7 @@ from hf_accel import (
     FusedMLPConfig,
     IncompatibleOptionsError,
     Int8Config,
+    NativeConfig,
     PagedConfig,
     SpeculativeConfig,
 )
@@ -37,6 +38,7 @@ from hf_accel import (
             "'max-autotune', 'max-autotune-no-cudagraphs', got 'fast'",
         ),
         (lambda: FusedMLPConfig(eager="yes"), "FusedMLPConfig.eager must be a bool, got 'yes'"),
+        (lambda: NativeConfig(prompts="no"), "NativeConfig.prompts must be a bool, got 'no'"),
         (lambda: Int8Config(group_size=0), "Int8Config.group_size must be an int >= 1 or None, got 0"),
         (
             lambda: Int8Config(skip_modules="lm_head"),
@@ -73,7 +75,7 @@ def test_override_errors():
     with pytest.raises(IncompatibleOptionsError) as info:
         AccelConfig().with_overrides(pagd=True)
     assert str(info.value) == (
-        "unknown hf_accel feature 'pagd'; known features: int8, fused_mlp, paged, speculative, compile"
+        "unknown hf_accel feature 'pagd'; known features: int8, fused_mlp, paged, speculative, compile, native"
     )
     with pytest.raises(IncompatibleOptionsError) as info:
         AccelConfig().with_overrides(paged=Int8Config())

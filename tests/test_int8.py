@@ -11,9 +11,8 @@ from torch import nn
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
-from hf_accel._ext import load_extension
+from hf_accel.kernels.ops import choose, native_builds
 from hf_accel.quant import Int8Embedding, Int8Linear, dequantize, quantization_error, quantize
-from hf_accel.quant.kernel import _AVX2, _AVX512, kernel_status, native_kernel
 
 
 def test_quantize_exact_state():
@@ -49,10 +48,11 @@ def test_quantize_bad_input():
 
 
 def test_native_kernel_is_built_here():
-    assert native_kernel() is not None, kernel_status()
+    choice = choose("int8_linear", "cpu", group_size=16)
+    assert choice.native, choice.rejected
 
 
-@pytest.mark.skipif(load_extension(*_AVX512) is None, reason="needs an AVX-512 CPU")
+@pytest.mark.skipif(native_builds("int8_linear")["avx512"] is None, reason="needs an AVX-512 CPU")
 @pytest.mark.parametrize("group_size", [None, 16, 64])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16])
 def test_avx512_and_avx2_kernels_agree(group_size, rows):
@@ -60,10 +60,11 @@ def test_avx512_and_avx2_kernels_agree(group_size, rows):
     torch.manual_seed(rows)
     qw = quantize(torch.randn(200, 256), group_size)  # 200 rows: a partial 4-row tile at the end
     x = torch.randn(rows, 256)
-    wide, narrow = load_extension(*_AVX512), load_extension(*_AVX2)
-    assert native_kernel(group_size) is wide and native_kernel(8) is narrow
-    got = wide.int8_linear(x, qw.qweight, qw.scale)
-    expected = narrow.int8_linear(x, qw.qweight, qw.scale)
+    builds = native_builds("int8_linear")
+    assert choose("int8_linear", "cpu", group_size=8).impl == "cpu/avx2"  # groups of 8: the 8-lane build only
+    assert choose("int8_linear", "cpu", group_size=group_size or 256).impl.startswith("cpu/avx512")
+    got = builds["avx512"](x, qw.qweight, qw.scale)
+    expected = builds["avx2"](x, qw.qweight, qw.scale)
     assert_close(got, expected, atol=1e-5, rtol=1e-4, name=f"avx512 vs avx2 g={group_size} M={rows}")  # fp32
 
 

@@ -11,16 +11,13 @@ from torch import nn
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
+from hf_accel.kernels.ops import native_builds
 from hf_accel.quant import Int8Linear, dequantize, quantize
-from hf_accel.quant import linear as int8_linear_module
 from hf_accel.quant.core import ACT_LANES, dequantize_activations, quantize_activations, w8a8_reference
-from hf_accel.quant.kernel import kernel_status, w8a8_kernel
 
-needs_vnni = pytest.mark.skipif(w8a8_kernel() is None, reason=f"W8A8 kernel: {kernel_status()}")
-
-
-def _emulate_only(monkeypatch):
-    monkeypatch.setattr(int8_linear_module, "w8a8_kernel", lambda: None)
+VNNI = native_builds("w8a8_linear")["avx512vnni"]
+QUANTIZE = native_builds("quantize_activations")["avx512vnni"]
+needs_vnni = pytest.mark.skipif(VNNI is None, reason="no AVX-512 VNNI build on this CPU")
 
 
 def test_quantize_activations_exact_state():
@@ -73,7 +70,7 @@ def test_kernel_quantizes_activations_bitwise_like_the_core():
     x[2, (torch.arange(192) % 64) // 4 == 5] = 0  # an all-zero group
     x[4] = 0  # an all-zero row
     x[3, :64] = torch.arange(64) * (1.5 / 127)  # values on half-steps: the tie rule must match
-    xq, scale, base = w8a8_kernel().quantize_activations(x)
+    xq, scale, base = QUANTIZE(x)
     ref_q, ref_scale = quantize_activations(x)
     assert torch.equal(xq, ref_q) and torch.equal(scale, ref_scale)
     assert scale[2, 5].item() == 0 and scale[4].abs().sum().item() == 0
@@ -89,7 +86,7 @@ def test_vnni_kernel_matches_the_exact_reference(rows, shape):
     torch.manual_seed(rows + k)
     x = torch.randn(rows, k) * 3
     qw = quantize(torch.randn(n, k))
-    got = w8a8_kernel().w8a8_linear(x, qw.qweight, qw.scale)
+    got = VNNI(x, qw.qweight, qw.scale)
     expected = w8a8_reference(x, qw)
     # integer dots are exact (int32 per group); only the fp32 sum of 16 scaled groups rounds: <= 1e-6 of the
     # output scale
@@ -101,21 +98,21 @@ def test_vnni_rows_are_batch_invariant():
     """A row's output does not depend on the other rows of the call (per-row scales, per-row tiles): bitwise."""
     torch.manual_seed(2)
     x, qw = torch.randn(11, 256), quantize(torch.randn(96, 256))
-    whole = w8a8_kernel().w8a8_linear(x, qw.qweight, qw.scale)
+    whole = VNNI(x, qw.qweight, qw.scale)
     for r in (0, 5, 10):
-        alone = w8a8_kernel().w8a8_linear(x[r : r + 1].contiguous(), qw.qweight, qw.scale)
+        alone = VNNI(x[r : r + 1].contiguous(), qw.qweight, qw.scale)
         assert torch.equal(alone[0], whole[r])
 
 
 @pytest.mark.parametrize("emulated", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_w8a8_linear_matches_float_layer_on_dequantized_values(monkeypatch, emulated, rows, bias):
+def test_w8a8_linear_matches_float_layer_on_dequantized_values(pretend_cpu_lacks, emulated, rows, bias):
     """Against a float layer holding the de-quantized weights fed the de-quantized activations; and vs the original."""
     if emulated:
-        _emulate_only(monkeypatch)
-    elif w8a8_kernel() is None:
-        pytest.skip(f"W8A8 kernel: {kernel_status()}")
+        pretend_cpu_lacks("avx512vnni")
+    elif VNNI is None:
+        pytest.skip("no AVX-512 VNNI build on this CPU")
     torch.manual_seed(rows)
     linear = nn.Linear(256, 200, bias=bias)
     q = Int8Linear.from_module(linear, activations="int8")
@@ -234,7 +231,7 @@ def test_real_model_w8a8_perplexity_and_agreement(default_model, capsys):
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_int8_kernels_run_inside_the_compiled_paged_step(activations):
     """The int8 kernels are an opaque op in the compiled decode step (fullgraph: a graph break would fail)."""
-    from hf_accel.paged.compiled import CompiledPagedDecode
+    from hf_accel.compile.paged_step import CompiledPagedDecode
 
     cfg = hf_accel.Int8Config(activations=activations)
     trace = hf_accel.CompileConfig(backend="eager", fullgraph=True)
@@ -249,17 +246,19 @@ def test_int8_kernels_run_inside_the_compiled_paged_step(activations):
     assert torch.equal(got, expected)  # the same kernels in and out of the graph (tiny model: no near-ties)
 
 
-def test_emulated_w8a8_is_reported_and_warned(monkeypatch, caplog):
-    from hf_accel.quant import apply as int8_apply
-
-    _emulate_only(monkeypatch)
-    monkeypatch.setattr(int8_apply, "w8a8_kernel", lambda: None)
-    monkeypatch.setattr(int8_apply, "w8a8_status", lambda: "this CPU lacks AVX512VNNI (capability AVX2)")
+def test_emulated_w8a8_is_reported_and_warned(pretend_cpu_lacks, caplog):
+    pretend_cpu_lacks("avx512vnni")
     model = tiny_model("llama")
     with caplog.at_level("WARNING", logger="hf_accel.quant.apply"):
         hf_accel.patch_model(model, int8=hf_accel.Int8Config(activations="int8"))
-    assert "W8A8 emulated in float (no VNNI kernel)" in hf_accel.patch_report(model)["changes"]["int8"]
-    assert "W8A8 runs emulated in float (this CPU lacks AVX512VNNI (capability AVX2))" in caplog.text
+    report = hf_accel.patch_report(model)
+    assert "W8A8 emulated in float (no VNNI kernel)" in report["changes"]["int8"]
+    assert report["implementations"]["int8"]["w8a8_linear"] == {
+        "uses": "reference",
+        "why": "no native implementation takes this call",
+        "not": {"cpu/avx512vnni": "(test) this CPU pretends to lack AVX512VNNI"},
+    }
+    assert "W8A8 runs emulated in float (cpu/avx512vnni: (test) this CPU pretends to lack AVX512VNNI)" in caplog.text
     assert model.lm_head.kernel_path(torch.randn(1, 64)) == "w8a8-emulated"
 
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 from helpers import assert_close
 
-from hf_accel.paged.attention import dense_attention, kernel_status, native_kernel
+from hf_accel.kernels.ops import choose
+from hf_accel.kernels.reference import dense_attention
 
-needs_kernel = pytest.mark.skipif(native_kernel() is None, reason=f"native paged attention: {kernel_status()}")
+KERNEL = choose("paged_attention", "cpu")
+needs_kernel = pytest.mark.skipif(not KERNEL.native, reason=f"native paged attention: {KERNEL.rejected}")
 
 
 def _scattered_pool(lengths: list[int], block_size: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int):
@@ -48,7 +50,7 @@ def test_kernel_matches_dense_reference_fp32(lengths, q_len, window, softcap):
     q = torch.randn(len(lengths), heads, q_len, dim, generator=torch.Generator().manual_seed(7))
     q_pos = torch.tensor([[n - q_len + j for j in range(q_len)] for n in lengths], dtype=torch.int32)
     scale = 1 / math.sqrt(dim)
-    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, scale, window, softcap)  # [B, Q, H, D]
+    got = KERNEL.fn(q, k_pool, v_pool, tables, q_pos, scale, window, softcap)  # [B, Q, H, D]
     for row, (k, v) in enumerate(dense):
         expected = dense_attention(q[row], k, v, q_pos[row].tolist(), scale, window, softcap)  # [H, Q, D]
         # fp32, online softmax vs SDPA: only summation order differs
@@ -60,7 +62,7 @@ def test_kernel_padding_queries_get_zeros_and_strided_queries_work():
     k_pool, v_pool, tables, dense = _scattered_pool([9, 30], 16, 1, 8, torch.float32, seed=3)
     q = torch.randn(2, 3, 2, 8).permute(0, 2, 1, 3)  # [2, H=2, Q=3, D=8], non-contiguous
     q_pos = torch.tensor([[-1, 7, 8], [27, 28, 29]], dtype=torch.int32)  # row 0 has a padding query first
-    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, 0.5, 0, 0.0)
+    got = KERNEL.fn(q, k_pool, v_pool, tables, q_pos, 0.5, 0, 0.0)
     assert torch.equal(got[0, 0], torch.zeros(2, 8))  # a padding query attends to nothing
     expected = dense_attention(q[0][:, 1:], *dense[0], [7, 8], 0.5)
     assert_close(got[0, 1:].transpose(0, 1), expected, atol=2e-6, rtol=1e-5, name="strided q")  # fp32
@@ -72,7 +74,7 @@ def test_kernel_half_precision_pools(dtype):
     k_pool, v_pool, tables, dense = _scattered_pool([25, 48], 16, 2, 16, dtype, seed=5)
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     q_pos = torch.tensor([[24], [47]], dtype=torch.int32)
-    got = native_kernel().paged_attention(q, k_pool, v_pool, tables, q_pos, 0.25, 0, 0.0)
+    got = KERNEL.fn(q, k_pool, v_pool, tables, q_pos, 0.25, 0, 0.0)
     for row, (k, v) in enumerate(dense):
         expected = dense_attention(q[row].float(), k.float(), v.float(), q_pos[row].tolist(), 0.25)
         # the kernel accumulates in fp32 and rounds once to the pool dtype: one rounding of that dtype

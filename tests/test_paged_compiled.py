@@ -11,8 +11,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
 from hf_accel import CompileConfig, IncompatibleOptionsError, PagedCache
-from hf_accel.paged import attention as paged_attention
-from hf_accel.paged.compiled import CompiledPagedDecode, define_paged_op, table_attention
+from hf_accel.compile.paged_step import CompiledPagedDecode
+from hf_accel.kernels.ops import choose
+from hf_accel.kernels.reference import paged_attention as table_attention
+from hf_accel.paged.step_op import define_paged_op
 from hf_accel.speculative import PromptLookup
 
 TRACE = CompileConfig(backend="eager", fullgraph=True)  # dynamo tracing without Inductor: quick, same graph
@@ -82,8 +84,8 @@ def test_paged_decode_op_writes_then_attends_like_the_reference():
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # and attends to nothing
     row0 = table_attention(q[:1], ref_k, ref_v, tables[:1], q_pos[:1], 0.25, 0, 0.0)
     assert torch.equal(out[:1], row0)
-    if paged_attention.native_kernel() is None:
-        pytest.skip(paged_attention.kernel_status())
+    if not choose("paged_attention", "cpu").native:
+        pytest.skip("no native paged attention here")
     ker_k, ker_v = k_pool.clone(), v_pool.clone()
     got = op(q, k, v, ker_k, ker_v, slots, tables, q_pos, 0.25, 0, 0.0, True)
     assert torch.equal(ker_k, ref_k) and torch.equal(ker_v, ref_v)
@@ -219,15 +221,14 @@ def test_which_calls_run_compiled():
     assert patched.forward.steps == 1 and out.hidden_states is not None  # an option the step lacks: eager
 
 
-def test_kernel_mode_refuses_what_the_kernel_cannot_take(monkeypatch):
+def test_kernel_mode_refuses_what_the_kernel_cannot_take(pretend_cpu_lacks):
     _, patched = _pair()
-    monkeypatch.setattr(paged_attention, "native_kernel", lambda: None)
-    monkeypatch.setattr("hf_accel.paged.compiled.native_kernel", lambda: None)
-    ids, mask = random_batch(1, [5], seed=2)
-    with pytest.raises(IncompatibleOptionsError, match=r"PagedCache\(attention='kernel'\) needs"):
-        patched.generate(
-            input_ids=ids, attention_mask=mask, cache=PagedCache(patched, attention="kernel"), max_new_tokens=3
-        )
+    pretend_cpu_lacks("avx512vnni", "avx512", "avx2")
+    with pytest.raises(IncompatibleOptionsError, match=r"PagedCache\(attention='kernel'\) needs") as info:
+        PagedCache(patched, attention="kernel")
+    assert "cpu/avx2: (test) this CPU pretends to lack AVX2" in str(info.value)
+    cache = PagedCache(patched)  # 'auto' gathers, and says why
+    assert cache.layers[0].attention.impl == "gather"
 
 
 def test_speculative_steps_and_chunks_compiled_exact_and_without_recompiling(monkeypatch):

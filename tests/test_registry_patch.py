@@ -188,7 +188,7 @@ def test_feature_not_yet_available_is_a_clear_error(monkeypatch):
         hf_accel.patch_model(model, compile=True)
     assert str(info.value) == (
         "feature 'compile' is not implemented in this version of hf_accel; "
-        "available features: int8, fused_mlp, paged, speculative"
+        "available features: int8, fused_mlp, paged, speculative, native"
     )
     assert not hf_accel.is_patched(model)
 

@@ -199,9 +199,9 @@ def test_budgets_widen_to_the_widest_drafting_row_within_each_rows_room():
     """At batch > 1 the verification chunk is as wide as its widest row (the narrower rows' padding is computed
     anyway) and a model draft feeds the whole batch until its widest row is done: every drafting row gets the widest
     budget, capped by what ``max_length`` leaves it; rows not drafting (0: paused or finished) stay at 0."""
-    from hf_accel.speculative.loop import _Loop
+    from hf_accel.speculative.rows import widen
 
-    assert _Loop._widen([3, 8, 0, 5], [20, 20, 20, 2]) == [8, 8, 0, 2]
-    assert _Loop._widen([4], [2]) == [2]  # one row: its own budget, within its room
-    assert _Loop._widen([0, 0], [5, 5]) == [0, 0]
-    assert _Loop._widen([], []) == []
+    assert widen([3, 8, 0, 5], [20, 20, 20, 2]) == [8, 8, 0, 2]
+    assert widen([4], [2]) == [2]  # one row: its own budget, within its room
+    assert widen([0, 0], [5, 5]) == [0, 0]
+    assert widen([], []) == []

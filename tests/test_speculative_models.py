@@ -9,14 +9,15 @@ import re
 
 import pytest
 import torch
-from helpers import EOS, PAD, VOCAB, assert_close, chat_batch, random_batch, tiny_model
+from helpers import EOS, PAD, VOCAB, assert_close, chat_batch, cpu_build, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
+from hf_accel.native.growing import growing_cache, to_growing
+from hf_accel.native.layers import PROMPT_MASK_CELLS, NativeLayers, layers_choice
+from hf_accel.native.step import LeanStep
 from hf_accel.speculative import DraftModel, PromptLookup, SelfSpeculative, Strategy
-from hf_accel.speculative.growing import growing_cache, to_growing
-from hf_accel.speculative.lean import PROMPT_MASK_CELLS, LeanStep, NativeLayers, native_module
 from hf_accel.speculative.ragged import RaggedCache
 from hf_accel.speculative.strategies import Proposal
 
@@ -192,7 +193,7 @@ def _lean_draft(arch: str, int8: bool | str, **overrides):
     return SelfSpeculative.build(hf_accel.patch_model(model), "int8") if int8 else model
 
 
-_NATIVE = pytest.mark.skipif(native_module({16}) is None, reason="no native kernel on this CPU")
+_NATIVE = pytest.mark.skipif(layers_choice({16}) is None, reason="no native kernel on this CPU")
 
 
 def _with_overrides(case):
@@ -337,14 +338,14 @@ def test_lean_draft_step_applies_only_where_it_knows_the_model():
     assert LeanStep.build(hooked) is None  # hooks must see the model's own forward
 
 
-@pytest.mark.skipif(native_module({16}, isa="avx2") is None, reason="no AVX2 build of the native layers here")
+@pytest.mark.skipif(layers_choice({16}, "avx2") is None, reason="no AVX2 build of the native layers here")
 def test_native_lean_layers_avx2_build_matches_the_modules():
     """The AVX2 build (CPUs without AVX-512) against the module path: int8 and float drafts, ragged chunks."""
-    avx2 = native_module({16}, isa="avx2")
-    assert avx2.isa() == "AVX2"
+    avx2 = layers_choice({16}, "avx2")
+    assert avx2.impl == "cpu/avx2"
     for model in (_lean_draft("qwen2", True), _lean_draft("qwen3", False)):
         native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
-        native.native.module = avx2
+        native.native.choice = avx2
         native.native.w8a16 = native.native.w8a8 = False  # what a build without VNNI gets
         native.native.kv_dtype = torch.float32  # the module path's K/V (float16 K/V: their own test)
         ids, mask = random_batch(2, [5, 3], seed=3)
@@ -677,7 +678,7 @@ def test_finished_rows_leave_the_batch_once_half_of_it_has_finished(paged):
 def test_growing_cache_layer_behaves_like_dynamic_layer():
     """The draft's in-place cache: same keys/values as DynamicCache through updates, crops, batch selection,
     reset and a deep copy, with appends landing in one buffer while it has room."""
-    from hf_accel.speculative.growing import growing_cache, to_growing
+    from hf_accel.native.growing import growing_cache, to_growing
 
     config = tiny_model("llama").config
     plain, grown = DynamicCache(config=config), growing_cache(config)
@@ -822,21 +823,22 @@ def _native_modes():
         NativeLayers.__call__ = original
 
 
-@pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
+@pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
 def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
     """A wide chunk (a guess check) of the VNNI build runs the int8 projections and the head as W8A8: the same maths
     as the draft's modules switched to ``activations="int8"``; narrow chunks stay weight-only."""
+    from hf_accel.native import layers as lean
     from hf_accel.quant import Int8Linear
-    from hf_accel.speculative import lean
 
     model = _lean_draft("llama", True)
     native = LeanStep.build(model)
     native.native.kv_dtype = torch.float32
-    assert native.native.w8a8 and native.native.module.vnni()
+    assert native.native.w8a8 and native.native.choice.impl == "cpu/avx512vnni"
     w8a8 = copy.deepcopy(model)
-    for module in w8a8.modules():
-        if isinstance(module, Int8Linear):
-            module.activations, module._cpu_kernel = "int8", "w8a8"
+    for parent in list(w8a8.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                setattr(parent, name, Int8Linear(child.quantized, child.bias, activations="int8"))
     modules = LeanStep.build(w8a8, native=False)
     ids, mask = random_batch(2, [5, 3], seed=4)
     with _native_modes() as calls, torch.no_grad():
@@ -857,7 +859,7 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
     assert (got[valid].argmax(-1) == expected[valid].argmax(-1)).float().mean() >= 0.9
 
 
-_VNNI = pytest.mark.skipif(native_module({16}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
+_VNNI = pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
 
 
 @_VNNI
@@ -869,7 +871,7 @@ def test_w8a16_kernel_matches_its_reference(rows, features, outputs):
     product with the de-quantized weights, within the activations' rounding (half a step of each group)."""
     from hf_accel.quant.core import dequantize, quantize, quantize_activations16, w8a16_reference
 
-    module = native_module({16}, isa="avx512vnni")
+    module = cpu_build("avx512vnni")
     gen = torch.Generator().manual_seed(rows * features + outputs)
     x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)  # uneven groups
     if features == 32:
@@ -896,7 +898,7 @@ def test_native_float_linear_matches_the_exact_product(isa, rows, features, outp
     """The native layers' float projection of narrow chunks (weight read in place, sums in vector lanes) against the
     float64 product: within float32's summation bound, for row counts with and without a remainder of the row
     tiles and output counts with and without one of the 4-row weight tiles."""
-    module = native_module({16}, isa=None if isa == "widest" else isa)
+    module = cpu_build(None if isa == "widest" else isa)
     if module is None:
         pytest.skip("no AVX2 build of the native layers here")
     gen = torch.Generator().manual_seed(rows * features + outputs)
@@ -916,14 +918,14 @@ def test_native_float_linear_matches_the_exact_product(isa, rows, features, outp
 def test_native_float_linear_leaves_wide_or_odd_products_to_torch():
     """Past 32 rows (MKL's GEMM is as fast there), a width that is not a multiple of the lanes, a non-contiguous or
     non-float32 weight: the layers use ``at::linear`` (``float_linear_fits`` is false), and a direct call says why."""
-    module = native_module({16})
+    module = cpu_build()
     w = torch.randn(8, 64)
     assert module.float_linear_fits(torch.randn(32, 64), w)
     assert not module.float_linear_fits(torch.randn(33, 64), w)
     assert not module.float_linear_fits(torch.randn(2, 20), torch.randn(8, 20))
     assert not module.float_linear_fits(torch.randn(2, 64), torch.randn(64, 8).T)
     assert not module.float_linear_fits(torch.randn(2, 64), w.double())
-    lanes = 16 if module.isa() == "AVX-512" else 8
+    lanes = 16 if module.isa().startswith("avx512") else 8
     message = (
         f"float_linear: needs float32 x [M <= 32, K] and a contiguous float32 weight [N, K], K a multiple of {lanes}"
     )
@@ -935,7 +937,7 @@ def test_native_float_linear_leaves_wide_or_odd_products_to_torch():
 def test_w8a16_kernel_rejects_weights_it_does_not_take():
     from hf_accel.quant.core import quantize
 
-    module = native_module({16}, isa="avx512vnni")
+    module = cpu_build("avx512vnni")
     grouped = quantize(torch.randn(8, 64), group_size=32)
     with pytest.raises(RuntimeError, match="w8a16: needs one scale per weight row and in_features a multiple of 32"):
         module.w8a16_linear(torch.randn(2, 64), grouped.qweight, grouped.scale)
@@ -946,7 +948,7 @@ def test_w8a16_kernel_rejects_weights_it_does_not_take():
 def test_native_lean_steps_of_several_rows_run_w8a16():
     """Steps and catch-ups of two or more activation rows run the int8 projections and the head as W8A16 (one row
     stays weight-only): logits within the activations' rounding of the modules' weight-only maths, same argmax."""
-    from hf_accel.speculative import lean
+    from hf_accel.native import layers as lean
 
     model = _lean_draft("llama", True)
     native, modules = LeanStep.build(model), LeanStep.build(model, native=False)
@@ -978,10 +980,10 @@ def test_native_lean_steps_keep_float16_keys_and_values(isa):
     model = _lean_draft("qwen2", False)
     native, reference = LeanStep.build(model), LeanStep.build(model)
     if isa == "avx2":
-        module = native_module({16}, isa="avx2")
-        if module is None:
+        avx2 = layers_choice({16}, "avx2")
+        if avx2 is None:
             pytest.skip("no AVX2 build of the native layers here")
-        native.native.module = reference.native.module = module
+        native.native.choice = reference.native.choice = avx2
         native.native.w8a16 = native.native.w8a8 = reference.native.w8a16 = reference.native.w8a8 = False
     assert native.native.kv_dtype == torch.float16
     reference.native.kv_dtype = torch.float32
@@ -1011,7 +1013,7 @@ def test_native_lean_steps_keep_float16_keys_and_values(isa):
 
 
 def test_growing_layer_saturates_when_a_writer_narrows_the_dtype():
-    from hf_accel.speculative.growing import GrowingLayer
+    from hf_accel.native.growing import GrowingLayer
 
     layer = GrowingLayer()
     keys = torch.tensor([1.0, -1e6, 1e6, 0.5]).view(1, 1, 4, 1)  # [B, H_kv, T, D]

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, tiny_model
+from helpers import assert_close, cpu_build, tiny_model
 from test_speculative_models import _repetitive_batch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
 from hf_accel.quant.core import QuantizedWeight, w8a16_reference
 from hf_accel.speculative import PromptLookup, SelfSpeculative
-from hf_accel.speculative.lean import native_module
-from hf_accel.speculative.loop import head_screen
 from hf_accel.speculative.screen import HeadScreen
+from hf_accel.speculative.target import head_screen
 
-_VNNI = pytest.mark.skipif(native_module({32}, isa="avx512vnni") is None, reason="no AVX-512 VNNI build here")
+_VNNI = pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
 
 
 def _reference_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -103,7 +102,7 @@ def test_build_refuses_weights_it_cannot_bound():
 @_VNNI
 def test_native_kernel_screen_matches_the_float_head():
     weight = _head(vocab=1000, width=96, seed=8)
-    module = native_module({32}, isa="avx512vnni")
+    module = cpu_build("avx512vnni")
     screen = HeadScreen.build(weight, None, module.w8a16_linear)
     h = _hidden(300, width=96, seed=9)
     assert torch.equal(screen.argmax(h), (h @ weight.T).argmax(-1))
@@ -197,13 +196,13 @@ def test_target_chunks_run_the_native_layers_with_float32_kv(monkeypatch):
     """Without a cache of the user's, the loop gives the target a growing cache and runs its verification chunks
     through the native layers with float32 K/V: hidden states within fp32 rounding of the decoder's own forward, the
     K/V stored float32, greedy tokens identical to the unpatched model's."""
-    from hf_accel.speculative import loop
-    from hf_accel.speculative.growing import growing_cache
+    from hf_accel.native.growing import growing_cache
+    from hf_accel.speculative import target
     from hf_accel.speculative.ragged import RaggedCache
 
     plain = tiny_model("llama")
     patched = hf_accel.patch_model(tiny_model("llama"))
-    step = loop.target_step(patched)
+    step = target.target_step(patched)
     assert step is not None and step.native.kv_dtype == torch.float32
     ids, mask = _repetitive_batch(3)
     chunk = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
@@ -231,8 +230,8 @@ def test_target_chunks_run_the_native_layers_with_float32_kv(monkeypatch):
     expected_ids = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
     got_ids = patched.generate(input_ids=ids, attention_mask=mask, speculative=PromptLookup(num_tokens=4), **kwargs)
     assert torch.equal(got_ids, expected_ids) and fed and all(fed)
-    assert loop.target_step(tiny_model("gemma")) is None  # not a lean architecture
-    assert loop.target_step(tiny_model("llama", dtype=torch.bfloat16)) is None  # no native layers for bf16
+    assert target.target_step(tiny_model("gemma")) is None  # not a lean architecture
+    assert target.target_step(tiny_model("llama", dtype=torch.bfloat16)) is None  # no native layers for bf16
 
 
 def test_screen_and_native_target_chunks_stay_off_under_tensor_parallelism():
@@ -240,11 +239,11 @@ def test_screen_and_native_target_chunks_stay_off_under_tensor_parallelism():
     modules' forwards) keeps its own forward and head: no screen, no native target chunks, no lean draft step. The
     two-process run itself is tests/test_scaling.py::test_tensor_parallel_two_cpu_processes."""
     from hf_accel.core.dispatch import is_tensor_parallel
-    from hf_accel.speculative import loop
-    from hf_accel.speculative.lean import LeanStep
+    from hf_accel.native.step import LeanStep
+    from hf_accel.speculative import target
 
     model = tiny_model("llama")
     assert not is_tensor_parallel(model) and LeanStep.build(model) is not None
     model._tp_size = 2
     assert is_tensor_parallel(model)
-    assert head_screen(model) is None and loop.target_step(model) is None and LeanStep.build(model) is None
+    assert head_screen(model) is None and target.target_step(model) is None and LeanStep.build(model) is None

@@ -17,6 +17,7 @@ __all__ = [
     "CompileConfig",
     "FusedMLPConfig",
     "Int8Config",
+    "NativeConfig",
     "PagedConfig",
     "SpeculativeConfig",
 ]
@@ -225,6 +226,26 @@ class Int8Config:
             _fail(type(self), "group_size", rule, self.group_size)
 
 
+@dataclass(frozen=True)
+class NativeConfig:
+    """The native executor (``hf_accel.native``): every decoder layer of a step in one native call.
+
+    Plain ``generate`` calls over Transformers' dynamic cache run their prompt and decode steps through it; so do a
+    speculative target's verification chunks (they already did where the executor applies, with or without this
+    feature). Opt-in: its logits equal the model's own forward up to float32 summation order (greedy outputs are
+    tested equal at Transformers' default initializer range too, but a float tie could in principle flip).
+
+    Args:
+        prompts: run prompts through the executor too (wide chunks use PyTorch's fused attention inside the native
+            call); ``False``: prompts run the model's own forward, decode steps the executor.
+    """
+
+    prompts: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bool(self, "prompts")
+
+
 #: feature name -> config class; the order is the order in which features are applied.
 FEATURE_CONFIGS: dict[str, type] = {
     "int8": Int8Config,
@@ -232,6 +253,7 @@ FEATURE_CONFIGS: dict[str, type] = {
     "paged": PagedConfig,
     "speculative": SpeculativeConfig,
     "compile": CompileConfig,
+    "native": NativeConfig,
 }
 
 
@@ -245,6 +267,7 @@ class AccelConfig:
         fused_mlp: fused gated MLPs.
         compile: ``torch.compile`` of the fused MLPs / decode step.
         int8: weight-only int8 (lossy).
+        native: the native executor for plain decoding (opt-in).
     """
 
     paged: PagedConfig | None = None
@@ -252,6 +275,7 @@ class AccelConfig:
     fused_mlp: FusedMLPConfig | None = None
     compile: CompileConfig | None = None
     int8: Int8Config | None = None
+    native: NativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name, cls in FEATURE_CONFIGS.items():

@@ -29,11 +29,10 @@ from ..core.call import device_of
 from ..core.config import PagedConfig
 from ..core.errors import IncompatibleOptionsError, NotPatchedError
 from ..core.state import get_state
-from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
-from ..speculative.verify import verify_greedy, verify_sampling
 from .request import END, FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec
+from .runner import next_tokens, packed_forward, stop_reason
 from .scheduler import Phase, Scheduler, SeqState, Work
 
 __all__ = ["Engine", "EngineStoppedError", "UnknownRequestError"]
@@ -350,7 +349,8 @@ class Engine:
             return False
         self.steps += 1
         try:
-            logits = self._forward(works)
+            self.forward_tokens += sum(len(w.tokens) + len(w.drafts) for w in works)
+            logits = packed_forward(self.model, self.cache, works, self.device)
         except Exception as exc:  # a failing forward fails the requests in it, not the engine
             logger.exception("engine forward failed; failing %d requests", len(works))
             for w in works:
@@ -429,86 +429,20 @@ class Engine:
         (proposal,) = spec.lookup.propose([torch.tensor(state.tokens)], [min(budget, spec.lookup.k.num_tokens)])
         return proposal.tokens.tolist()
 
-    def _forward(self, works: list[Work]) -> dict[int, torch.Tensor]:
-        """One packed forward; returns each sampling request's logits, ``[1 + drafts, V]`` float."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        copies = []
-        keep: list[int] = []
-        for w in works:
-            fed = w.tokens + w.drafts
-            if w.sample:
-                keep.extend(range(len(ids) + len(fed) - 1 - len(w.drafts), len(ids) + len(fed)))
-            ids.extend(fed)
-            pos.extend(range(w.start, w.start + len(fed)))
-            slots.extend(w.slots)
-            copies.extend(w.copies)
-        self.forward_tokens += len(ids)
-        seqs, starts = [w.state.seq for w in works], [w.start for w in works]
-        self.cache.pin_packed(seqs, starts, slots, copies, short_max=DECODE_MAX_QUERY)
-        try:
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=torch.tensor([ids], device=self.device),
-                    position_ids=torch.tensor([pos], device=self.device),
-                    cache=self.cache,
-                    use_cache=True,
-                    logits_to_keep=torch.tensor(keep or [0], device=self.device),
-                )
-        finally:
-            self.cache.unpin()
-        logits = out.logits[0].float()  # [K, V]
-        result, at = {}, 0
-        for w in works:
-            if w.sample:
-                n = 1 + len(w.drafts)
-                result[w.state.rid] = logits[at : at + n]
-                at += n
-        return result
-
-    # ------------------------------------------------------------------------------------ tokens
-    def _scores(self, spec: Any, tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=logits.device)
-        return spec.processors(ids, logits[None])  # [1, V]
-
     def _advance(self, work: Work, logits: torch.Tensor) -> None:
         """Pick the request's next token(s) from ``logits`` ([1 + drafts, V]), verify drafts, stream, stop."""
         state = work.state
         tracked = self._requests[state.rid]
-        spec = tracked.spec
         self.scheduler.publish_prompt(state)
-        drafts = work.drafts
-        if spec.sample:
-            rows = [self._scores(spec, state.tokens + drafts[:j], logits[j])[0] for j in range(len(drafts) + 1)]
-            probs = torch.stack(rows).softmax(-1)  # [1 + drafts, V]
-            verdict = verify_sampling(torch.tensor(drafts, dtype=torch.long, device=probs.device), probs, None)
-        else:
-            picks = []
-            for j in range(len(drafts) + 1):  # stop scoring at the first mismatch
-                picks.append(int(self._scores(spec, state.tokens + drafts[:j], logits[j]).argmax(-1)))
-                if j == len(drafts) or picks[-1] != drafts[j]:
-                    break
-            picks += [-1] * (len(drafts) + 1 - len(picks))
-            verdict = verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
-        tracked.output.proposed += len(drafts)
+        verdict = next_tokens(tracked, work.drafts, logits)
+        tracked.output.proposed += len(work.drafts)
         tracked.output.accepted += verdict.accepted
         self.scheduler.accept(work, verdict.accepted)
         for token in verdict.tokens:
             state.tokens.append(token)
             tracked.emit(token)
-            reason = self._stop_reason(spec, state, token)
+            reason = stop_reason(tracked, token, state.generated, state.max_new_tokens)
             if reason is not None:
                 state.computed = min(state.computed, len(state.tokens) - 1)
                 self._end(state, reason)
                 return
-
-    def _stop_reason(self, spec: Any, state: SeqState, token: int) -> FinishReason | None:
-        ids = torch.tensor([state.tokens])
-        if not bool(spec.stopping(ids, None).any()):
-            return None
-        if token in spec.eos:
-            return FinishReason.EOS
-        if state.generated >= state.max_new_tokens:
-            return FinishReason.LENGTH
-        return FinishReason.STOP

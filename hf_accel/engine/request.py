@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 
 from ..core.call import eos_token_ids
 from ..core.errors import HFAccelError, IncompatibleOptionsError
+from ..core.tokens import TokenBuffer
 from ..speculative.strategies import PromptLookup
 
 __all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec"]
@@ -111,19 +112,25 @@ END = _End()
 
 @dataclass
 class Tracked:
-    """Engine-side bookkeeping of one request (its stream queue and timing)."""
+    """Engine-side bookkeeping of one request (its stream queue, timing, and its ids so far as a growing tensor)."""
 
     output: RequestOutput
     spec: RequestSpec
     added_at: float = field(default_factory=time.perf_counter)
     stream: queue.Queue = field(default_factory=queue.Queue)
     collected: bool = False
+    ids: TokenBuffer = field(init=False)
+
+    def __post_init__(self) -> None:
+        prompt = self.output.prompt
+        self.ids = TokenBuffer(prompt, capacity=len(prompt) + self.spec.max_new_tokens)
 
     def emit(self, token: int) -> None:
         out = self.output
         if out.time_to_first_token is None:
             out.time_to_first_token = time.perf_counter() - self.added_at
         out.tokens.append(token)
+        self.ids.append(token)
         self.stream.put(token)
         if self.spec.streamer is not None:
             self.spec.streamer.put(torch.tensor([token]))

@@ -3,7 +3,7 @@
 PyTorch's eager ``F.linear`` hands a plain row-major weight to MKL on every call; for the skinny products of
 decoding (one or a few activation rows) MKL streams it at 15-16 GB/s on this machine. Two packed layouts:
 
-* ``"panel"`` (fp32 on AVX-512 CPUs): hf_accel's own kernel (``csrc/skinny_gemm.cpp``) over the weight in
+* ``"panel"`` (fp32 on AVX-512 CPUs): hf_accel's own kernel (``kernels/cpu/panel_gemm.cpp``) over the weight in
   panels of 16 output features, ``[N/16, K, 16]``. Decode-sized products run 1.3-2.3x faster than oneDNN's
   packed GEMM here (``docs/compile.md``), larger ones on par; a plain strided tensor, so it deep-copies,
   and Inductor passes it through unchanged.
@@ -18,37 +18,28 @@ differ from ``F.linear`` only by summation order. Inside ``torch.compile`` the c
 from __future__ import annotations
 
 import copy
-from pathlib import Path
-from types import ModuleType
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .._ext import define_op, extension_status, load_extension
+from ..kernels.ops import Choice, choose, define_composite
 
-__all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "panel_kernel", "unpack_linears"]
+__all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "panel_choice", "unpack_linears"]
 
-_SOURCE = Path(__file__).with_name("csrc") / "skinny_gemm.cpp"
 LAYOUTS = ("auto", "panel", "onednn")
 
 
-def panel_kernel() -> ModuleType | None:
-    """The AVX-512 panel GEMM, or ``None`` where it cannot be had (reason: :func:`panel_status`)."""
-    return load_extension("skinny_gemm", _SOURCE, isa="avx512")
-
-
-def panel_status() -> str:
-    return extension_status("skinny_gemm", _SOURCE, isa="avx512")
+def panel_choice(weight: torch.Tensor) -> Choice:
+    """The panel GEMM's implementation for ``weight`` [N, K] (:func:`hf_accel.kernels.ops.choose`): the AVX-512 build,
+    or the reference where it does not apply (then the weight is packed for oneDNN instead)."""
+    return choose("panel_linear", weight.device, dtype=weight.dtype, out_features=weight.shape[0])
 
 
 def _panel_unavailable(weight: torch.Tensor) -> str | None:
-    if weight.dtype != torch.float32:
-        return f"the panel kernel is float32 only, got {weight.dtype}"
-    if weight.shape[0] % 16:
-        return f"out_features {weight.shape[0]} is not a multiple of 16"
-    if panel_kernel() is None:
-        return panel_status()
-    return None
+    choice = panel_choice(weight)
+    return None if choice.native else "; ".join(dict.fromkeys(choice.rejected.values()))  # each reason once
 
 
 def packing_unavailable(weight: torch.Tensor) -> str | None:
@@ -62,10 +53,16 @@ def packing_unavailable(weight: torch.Tensor) -> str | None:
     return None
 
 
+@functools.cache
+def _panel_fn() -> Callable[..., torch.Tensor]:
+    """The panel GEMM a panel-packed weight runs (it was packed only where :func:`panel_choice` is native)."""
+    return choose("panel_linear", "cpu", dtype=torch.float32).fn
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     if packed.layout == torch._mkldnn:  # oneDNN's opaque layout
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    y = panel_kernel().linear(x.reshape(-1, x.shape[-1]), packed, bias)  # type: ignore[union-attr]  # [M, N]
+    y = _panel_fn()(x.reshape(-1, x.shape[-1]), packed, bias)  # [M, N]
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -79,7 +76,7 @@ def define_compiled_op():
     Called by the compile feature before anything is compiled (never at import).
     """
     schema = "(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor"
-    return define_op("packed_linear", schema, _packed_linear, _packed_linear_fake)
+    return define_composite("packed_linear", schema, _packed_linear, _packed_linear_fake)
 
 
 class PackedLinear(nn.Module):
@@ -133,7 +130,7 @@ class PackedLinear(nn.Module):
         if layout == "panel" and no_panel is not None:
             raise ValueError(f"cannot pack this linear in panels: {no_panel}")
         if no_panel is None:
-            packed = panel_kernel().pack(weight)  # type: ignore[union-attr]  # [N / 16, K, 16]
+            packed = choose("panel_pack", "cpu").fn(weight)  # [N / 16, K, 16]
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         return cls(packed, linear.bias, linear.in_features, linear.out_features)

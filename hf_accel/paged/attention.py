@@ -23,16 +23,14 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .._ext import extension_status, load_extension
 from ..core.errors import IncompatibleOptionsError
+from ..kernels.ops import Choice, choose
+from ..kernels.reference import dense_attention
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
 from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer
 from .plan import StepPlan
@@ -40,8 +38,7 @@ from .plan import StepPlan
 __all__ = [
     "DECODE_MAX_QUERY",
     "PagedMask",
-    "dense_attention",
-    "kernel_status",
+    "attention_choice",
     "kernel_usable",
     "paged_name",
     "register",
@@ -54,21 +51,11 @@ DECODE_MAX_QUERY = 16
 KERNEL_MAX_BLOCK_SIZE = 64
 #: ``forward`` keyword argument carrying a compiled decode step's :class:`~.compiled.DecodePlan` to attention.
 PLAN_KWARG = "hf_accel_paged_plan"
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 DECODE_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def paged_name(base: str) -> str:
     return f"{PAGED_ATTENTION_PREFIX}{base}"
-
-
-def native_kernel() -> ModuleType | None:
-    return load_extension("paged_attention", _SOURCE)
-
-
-def kernel_status() -> str:
-    """Whether the native paged-attention kernel is available here, and why not."""
-    return extension_status("paged_attention", _SOURCE)
 
 
 @dataclass
@@ -201,39 +188,42 @@ def register(base: str) -> str:
     return name
 
 
-def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether attention over a pool may use the native kernel (the rule shared by eager and compiled steps).
+def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> Choice:
+    """How decode-sized chunks attend over a pool (the rule shared by eager and compiled steps): the native
+    ``paged_attention`` build (:func:`hf_accel.kernels.ops.choose`) where it takes the pool, else the gather path.
 
     Args:
         mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"`` or ``"gather"``.
         device / dtype / block_size / head_dim: the pool's.
 
     Raises:
-        IncompatibleOptionsError: ``mode="kernel"`` where the kernel cannot run.
+        IncompatibleOptionsError: ``mode="kernel"`` where no native build takes the pool.
     """
+    choice = choose("paged_attention", device, dtype=dtype, block_size=block_size, head_dim=head_dim)
     if mode == "gather":
-        return False
-    usable = (
-        device.type == "cpu"
-        and dtype in DECODE_KERNEL_DTYPES
-        and block_size <= KERNEL_MAX_BLOCK_SIZE
-        and head_dim % 8 == 0
-        and native_kernel() is not None
-    )
-    if mode == "kernel" and not usable:
+        return Choice(choice.op, "gather", gather_attention, "PagedCache(attention='gather') asked for it",
+                      {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
+    if mode == "kernel" and not choice.native:
         raise IncompatibleOptionsError(
-            f"PagedCache(attention='kernel') needs a CPU tensor of {DECODE_KERNEL_DTYPES}, block_size <= "
-            f"{KERNEL_MAX_BLOCK_SIZE}, head_dim a multiple of 8 and the native kernel "
-            f"({kernel_status()}); got {dtype} on {device}; use attention='auto'"
+            f"PagedCache(attention='kernel') needs a native paged-attention build for {dtype} pools of blocks of "
+            f"{block_size} on {device} (head_dim {head_dim}), but: "
+            + "; ".join(f"{k}: {v}" for k, v in choice.rejected.items())
+            + "; use attention='auto'"
         )
-    return usable
+    if not choice.native:
+        return Choice(choice.op, "gather", gather_attention, "no native build takes this pool", choice.rejected)
+    return choice
+
+
+def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether decode-sized chunks over such a pool run the native kernel (:func:`attention_choice`)."""
+    return attention_choice(mode, device, dtype, block_size, head_dim).native
 
 
 def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
     if query.shape[2] > DECODE_MAX_QUERY:
         return False  # long chunks: the gather path's dense attention is faster
-    mode = layer.cache.attention
-    return kernel_usable(mode, query.device, query.dtype, layer.keys.shape[1], query.shape[-1])
+    return layer.attention.native
 
 
 def attend(
@@ -267,9 +257,7 @@ def _kernel_attention(
     softcap: float,
 ) -> torch.Tensor:
     """The native kernel over the pool: ``query`` [B, H_q, Q, D], ``q_pos`` [B, Q] (-1: padding) -> [B, Q, H_q, D]."""
-    return native_kernel().paged_attention(  # type: ignore[union-attr]
-        query, layer.keys, layer.values, block_tables, q_pos, scale, window, softcap
-    )
+    return layer.attention.fn(query, layer.keys, layer.values, block_tables, q_pos, scale, window, softcap)
 
 
 def _attend_row(
@@ -368,37 +356,3 @@ def gather_attention(
         o = _attend_row(layer, step, row, query[row][:, idx], k_new, v_new, pos[real].tolist(), scale, window, softcap)
         out[row, idx] = o.transpose(0, 1).to(out.dtype)  # o: [H_q, r, D]
     return out
-
-
-def dense_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: list[int],
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """Reference attention of queries at token ``positions`` over keys ``0..S-1`` of one sequence.
-
-    Shapes: q ``[H_q, r, D]``; k, v ``[H_kv, S, D]``; returns ``[H_q, r, D]``. Query ``i`` sees keys
-    ``t <= positions[i]`` (and ``t > positions[i] - window`` when ``window > 0``); ``softcap > 0`` applies
-    ``softcap * tanh(score / softcap)`` to the scores.
-    """
-    groups = q.shape[0] // k.shape[0]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-    pos = torch.tensor(positions, device=q.device)[:, None]  # [r, 1]
-    t = torch.arange(k.shape[1], device=q.device)[None, :]  # [1, S]
-    visible = t <= pos
-    if window > 0:
-        visible &= t > pos - window
-    causal_tail = positions == list(range(k.shape[1] - len(positions), k.shape[1]))
-    if softcap <= 0:  # 4D inputs: the 3D form misses SDPA's fused CPU kernels and takes the math path
-        if causal_tail and window <= 0 and len(positions) == k.shape[1]:
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale)[0]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, r, S]
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
+from .attention import attention_choice
 from .blocks import BlockCopy, BlockManager
 from .export import dense_kv
 from .layer import PagedLayer
@@ -78,6 +79,8 @@ class PagedCache(Cache, RowRollback):
         self.tables = BlockTables(self.manager)
         shape = (spec.num_blocks, block_size, spec.kv_heads, spec.head_dim)
         super().__init__(layers=[PagedLayer(self, i, shape, spec.dtype, d) for i, d in enumerate(spec.devices)])
+        for layer in self.layers:  # how decode-sized chunks attend (one choice per device, reported)
+            layer.attention = attention_choice(attention, layer.device, spec.dtype, block_size, spec.head_dim)
         self._rows: list[int | None] = []  # per batch row: sequence id, or None once released
         self._length = 0  # logical (padded) length, what Transformers sees
         self._step: StepPlan | None = None
@@ -97,21 +100,18 @@ class PagedCache(Cache, RowRollback):
         return self.manager.prefix_cache
 
     @property
-    def max_tokens(self) -> int:
-        """Tokens the pool holds (all sequences together)."""
+    def max_tokens(self) -> int:  # tokens the pool holds (all sequences together)
         return self.num_blocks * self.block_size
 
     @property
-    def pinned(self) -> bool:
-        """Whether the next forward runs the Engine's packed plan (:meth:`pin_packed`)."""
+    def pinned(self) -> bool:  # whether the next forward runs the Engine's packed plan (pin_packed)
         return self._pinned is not None
 
     def belongs_to(self, model: nn.Module) -> bool:
         """Whether this cache was built for ``model`` (a weak reference: never confused with a later object)."""
         return self._model() is model
 
-    def row_sequences(self) -> list[int | None]:
-        """Each batch row's sequence id in the block manager (``None``: released)."""
+    def row_sequences(self) -> list[int | None]:  # each batch row's sequence id (None: released)
         return list(self._rows)
 
     def __repr__(self) -> str:
@@ -203,7 +203,6 @@ class PagedCache(Cache, RowRollback):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._remap_rows([i for i in range(len(self._rows)) for _ in range(repeats)])
 
-    # ------------------------------------------------------------------------------- requests
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Begin a new batch of ``[B, L]`` left-padded prompts (``attention_mask``: 1 = token, 0 = left padding, or
         ``None``): drop the previous rows and adopt cached prefixes. Returns the logical length already cached (0

@@ -48,6 +48,7 @@ class PagedLayer(CacheLayerMixin):
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.is_initialized = True
         self.pending = False  # K/V handed out by update() and not yet written by the attention function
+        self.attention: Any = None  # how decode-sized chunks attend (a kernels.ops.Choice; set by the cache)
 
     def __repr__(self) -> str:
         return f"PagedLayer({self.layer_idx})"

@@ -20,8 +20,7 @@ from ..core.recorder import Recorder
 from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize, quantize
-from .kernel import w8a8_kernel, w8a8_status
-from .linear import Int8Embedding, Int8Linear, check_w8a8
+from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
 
 __all__ = ["apply_int8", "quantize_linears", "resolve_backend"]
 
@@ -73,13 +72,13 @@ def _check_w8a8(targets: list[tuple[str, nn.Linear]], device: torch.device, reco
                 f"{name}: {err}; leave it in float with Int8Config(skip_modules=[{name!r}]) or use "
                 "activations='float' (weight-only)"
             ) from None
-    if device.type != "cpu" or w8a8_kernel() is None:
-        why = f"weights on {device.type}" if device.type != "cpu" else w8a8_status()
+    choice = kernel_choice("int8", targets[0][1].in_features, targets[0][1].in_features, device) if targets else None
+    if choice is not None and not choice.native:
         recorder.note(FEATURE, "W8A8 emulated in float (no VNNI kernel)")
         logger.warning(
             "hf_accel: W8A8 runs emulated in float (%s): same results as the VNNI kernel within float rounding, "
             "slower than weight-only int8 (activations='float')",
-            why,
+            "; ".join(f"{k}: {v}" for k, v in choice.rejected.items()),
         )
 
 
@@ -159,9 +158,19 @@ def quantize_linears(
             _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: bnb_dequantize(m, dt))
             continue
         new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
+        _record_choice(recorder, new, linear.weight.device)
         if name == head_name and tied:
             _tie_embedding(model, spec, embed, new, recorder)
         _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: dequantize(m.quantized, dt))
+
+
+def _record_choice(recorder: Recorder, layer: Int8Linear, device: torch.device) -> None:
+    """Say in ``patch_report`` which implementation the int8 linears of this shape class run on ``device``."""
+    choice = kernel_choice(layer.activations, layer.group_size, layer.in_features, device)
+    described = choice.describe()
+    if device.type == "cpu" and not choice.native and layer.activations == "float":
+        described["why"] += ": the weight is de-quantized for each call (float maths)"
+    recorder.choose(FEATURE, choice.op, described["uses"], described["why"], described["not"])
 
 
 _OFFLOAD_ADVICE = (

@@ -21,6 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.reference import (
+    ACT16_BLOCK,
+    ACT_BLOCK,
+    ACT_LANES,
+    dequantize_activations,
+    quantize_activations,
+    quantize_activations16,
+    w8a8_exact,
+    w8a16_exact,
+)
+
 __all__ = [
     "ACT16_BLOCK",
     "ACT_BLOCK",
@@ -37,13 +48,6 @@ __all__ = [
     "w8a8_reference",
     "w8a16_reference",
 ]
-
-#: W8A8 needs ``in_features`` to be a multiple of this (one 64-byte vector of int8).
-ACT_BLOCK = 64
-#: Activation scales per row in W8A8: group ``l`` holds features ``k`` with ``(k % ACT_BLOCK) // 4 == l``.
-ACT_LANES = 16
-#: W8A16: features per block of int16 activations (two per group and block)
-ACT16_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -117,38 +121,6 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
     return dequantize_rows(qw.qweight, qw.scale, qw.group_size, dtype)
 
 
-def _lane_view(x: torch.Tensor, block: int = ACT_BLOCK, scheme: str = "W8A8") -> torch.Tensor:
-    """``[M, K]`` -> ``[M, K / block, 16, block / 16]``: dims 1 and 3 of the view run over one activation group."""
-    if x.dim() != 2 or x.shape[1] % block:
-        raise ValueError(f"{scheme} activations must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
-    return x.reshape(x.shape[0], x.shape[1] // block, ACT_LANES, block // ACT_LANES)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row and per interleaved group of features (see the module docstring).
-
-    Args:
-        x: ``[M, K]`` float with ``K % ACT_BLOCK == 0``.
-
-    Returns:
-        ``xq [M, K]`` int8 in ``[-127, 127]`` and ``scale [M, ACT_LANES]`` float32 (``max|x_group| / 127``; 0 for
-        an all-zero group, whose values are 0), so ``x ≈ dequantize_activations(xq, scale)``.
-
-    Raises:
-        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT_BLOCK`.
-    """
-    groups = _lane_view(x.float())  # [M, B, 16, 4]
-    scale = groups.abs().amax(dim=(1, 3)) / 127.0  # [M, 16]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]  # zero groups hold zeros
-    xq = torch.round(groups / safe).clamp_(-127, 127)
-    return xq.to(torch.int8).reshape(x.shape), scale
-
-
-def dequantize_activations(xq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``xq [M, K]`` int8 and ``scale [M, ACT_LANES]`` -> ``[M, K]`` float32 (each value times its group's scale)."""
-    return (_lane_view(xq).float() * scale[:, None, :, None]).reshape(xq.shape)
-
-
 def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """The W8A8 linear, exactly: ``sum_l xscale[m, l] * (xq[m, group l] . q[n, group l]) * wscale[n]`` in float64.
 
@@ -158,53 +130,24 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
     Returns:
         ``[M, N]`` float64 (the integer dots are exact; the kernel's float32 sums approach this).
+
+    Raises:
+        ValueError: more than one scale per weight row, or ``K`` not a multiple of :data:`ACT_BLOCK`.
     """
     if qw.scale.shape[1] != 1:
         raise ValueError(f"W8A8 needs one weight scale per row, got group_size {qw.group_size}")
-    xq, xscale = quantize_activations(x)
-    xg = _lane_view(xq).double()  # [M, B, 16, 4]
-    wg = _lane_view(qw.qweight).double()  # [N, B, 16, 4]
-    dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
-    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
-
-
-def quantize_activations16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int16 per row and per interleaved group of features (group ``(k % 32) // 2``; module docstring).
-
-    Args:
-        x: ``[M, K]`` float with ``K % ACT16_BLOCK == 0``.
-
-    Returns:
-        ``xq [M, K]`` int16 in ``[-32767, 32767]`` and ``scale [M, ACT_LANES]`` float32 (``max|x_group| / 32767``;
-        0 for an all-zero group).
-
-    Raises:
-        ValueError: ``x`` is not 2-D or ``K`` is not a multiple of :data:`ACT16_BLOCK`.
-    """
-    groups = _lane_view(x.float(), ACT16_BLOCK, "W8A16")  # [M, B, 16, 2]
-    scale = groups.abs().amax(dim=(1, 3)) / 32767.0  # [M, 16]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None, :, None]
-    xq = torch.round(groups / safe).clamp_(-32767, 32767)
-    return xq.to(torch.int16).reshape(x.shape), scale
+    return w8a8_exact(x, qw.qweight, qw.scale)
 
 
 def w8a16_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """The W8A16 linear, exactly: ``sum_l xscale[m, l] * (xq[m, group l] . q[n, group l]) * wscale[n]`` in float64.
+    """The W8A16 linear, exactly (int16 activations; see :func:`w8a8_reference`), ``[M, N]`` float64.
 
-    Args:
-        x: ``[M, K]`` float activations.
-        qw: a weight with one scale per row.
-
-    Returns:
-        ``[M, N]`` float64 (exact integer dots; the kernel's float32 sums approach this).
+    Raises:
+        ValueError: more than one scale per weight row, or ``K`` not a multiple of :data:`ACT16_BLOCK`.
     """
     if qw.scale.shape[1] != 1:
         raise ValueError(f"W8A16 needs one weight scale per row, got group_size {qw.group_size}")
-    xq, xscale = quantize_activations16(x)
-    xg = _lane_view(xq, ACT16_BLOCK, "W8A16").double()  # [M, B, 16, 2]
-    wg = _lane_view(qw.qweight, ACT16_BLOCK, "W8A16").double()  # [N, B, 16, 2]
-    dots = torch.einsum("mbla,nbla->mnl", xg, wg)  # [M, N, 16] exact integers (< 2**53)
-    return (dots * xscale.double().unsqueeze(1)).sum(-1) * qw.scale.double().reshape(1, -1)
+    return w8a16_exact(x, qw.qweight, qw.scale)
 
 
 @dataclass(frozen=True)

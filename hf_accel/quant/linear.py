@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._ext import define_op
 from ..core.config import Int8Config
+from ..kernels.ops import Choice, choose, op
 from .core import (
     ACT_BLOCK,
     QuantizedWeight,
@@ -19,9 +19,8 @@ from .core import (
     quantize,
     quantize_activations,
 )
-from .kernel import native_kernel, w8a8_kernel
 
-__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "define_int8_op", "w8a8_fits"]
+__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "kernel_choice", "w8a8_fits"]
 
 #: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8); the same
 #: choices as ``Int8Config.activations``.
@@ -32,24 +31,12 @@ ACTIVATIONS = Int8Config.ACTIVATIONS
 DECODE_MAX_ROWS = 16
 
 
-def _run_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, w8a8: bool) -> torch.Tensor:
-    """The native kernel: ``x [M, K]`` fp32 -> ``[M, N]`` (weight-only, or W8A8)."""
-    if w8a8:
-        return w8a8_kernel().w8a8_linear(x, qweight, scale)  # type: ignore[union-attr]
-    group_size = qweight.shape[1] // scale.shape[1]
-    return native_kernel(group_size).int8_linear(x, qweight, scale)  # type: ignore[union-attr]
-
-
-def _int8_linear_fake(x, qweight, scale, w8a8):  # shapes only, for tracing
-    return x.new_empty((x.shape[0], qweight.shape[0]))
-
-
-def define_int8_op():
-    """Define ``torch.ops.hf_accel.int8_linear`` once per process: the kernels as an op ``torch.compile`` keeps
-    opaque (a compiled decode step then runs them inside its graph instead of breaking it). Called when the first
-    ``Int8Linear`` with a kernel is built, never at import."""
-    schema = "(Tensor x, Tensor qweight, Tensor scale, bool w8a8) -> Tensor"
-    return define_op("int8_linear", schema, _run_kernel, _int8_linear_fake, dispatch="CPU")
+def kernel_choice(activations: str, group_size: int, in_features: int, device: torch.device | str = "cpu") -> Choice:
+    """The int8 linear implementation for these weights (:func:`hf_accel.kernels.ops.choose`): ``int8_linear``
+    (weight-only) or ``w8a8_linear`` (``activations="int8"``), a native build or the reference."""
+    if activations == "int8":
+        return choose("w8a8_linear", device, groups=in_features // group_size, in_features=in_features)
+    return choose("int8_linear", device, group_size=group_size)
 
 
 def w8a8_fits(qweight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -92,14 +79,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scale", qw.scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        # the CPU kernel this layer can use (fixed per process; a string, so the module deep-copies and
-        # torch.compile guards on a constant): "w8a8", "native" or "" (none: float maths)
-        if activations == "int8":
-            self._cpu_kernel = "w8a8" if w8a8_kernel() is not None else ""
-        else:
-            self._cpu_kernel = "native" if native_kernel(qw.group_size) is not None else ""
+        #: the CPU implementation this layer runs (chosen once per process by the kernel layer)
+        self.choice = kernel_choice(activations, qw.group_size, self.in_features)
+        # the native function (None: the float maths below); the op's name, a string torch.compile guards on
+        self._fn = self.choice.fn if self.choice.native else None
+        self._cpu_kernel = self.choice.op if self.choice.native else ""
         if self._cpu_kernel:
-            define_int8_op()
+            op(self._cpu_kernel)  # torch.ops.hf_accel.<op>: what a compiled step runs (kept opaque)
 
     @classmethod
     def from_module(cls, linear: nn.Module, group_size: int | None = None, activations: str = "float") -> Int8Linear:
@@ -133,7 +119,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fast = self._cpu_kernel and x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling()
-        if fast and (self._cpu_kernel == "w8a8" or x.numel() <= DECODE_MAX_ROWS * self.in_features):
+        if fast and (self.activations == "int8" or x.numel() <= DECODE_MAX_ROWS * self.in_features):
             return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
         path = self.kernel_path(x)
         if path == "dequantize":
@@ -143,7 +129,7 @@ class Int8Linear(nn.Module):
         if path == "w8a8-emulated":
             y = self._w8a8_emulated(flat)
         else:  # a kernel path here means compiling (eager calls took the fast path): an opaque op in the graph
-            y = torch.ops.hf_accel.int8_linear(flat, self.qweight, self.scale, path == "w8a8")  # [M, N]
+            y = getattr(torch.ops.hf_accel, self._cpu_kernel)(flat, self.qweight, self.scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -164,10 +150,7 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         # buffers read from the dict (nn.Module.__getattr__ costs ~0.7 us each)
         qweight, scale = self._buffers["qweight"], self._buffers["scale"]
-        if vnni is not None:
-            y = vnni(flat, qweight, scale)  # [M, N]
-        else:
-            y = _run_kernel(flat, qweight, scale, self._cpu_kernel == "w8a8")  # [M, N]
+        y = (vnni or self._fn)(flat, qweight, scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,6 +1,7 @@
 """Speculative generation: strategies, verification rules, the decoding loop and its generate keywords."""
 
-from .draft import DraftModel, SelfSpeculative
+from .draft import DraftModel
+from .self_draft import SelfSpeculative
 from .strategies import AdaptiveK, Composite, PromptLookup, Proposal, Strategy
 from .verify import Verdict, verify_greedy, verify_sampling
 

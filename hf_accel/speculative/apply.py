@@ -24,7 +24,8 @@ from ..core.config import SpeculativeConfig
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
-from .loop import SpeculativeStats, make_custom_generate
+from .loop import make_custom_generate
+from .output import SpeculativeStats
 from .strategies import PromptLookup, Strategy
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def apply_speculative(model: nn.Module, parts: ModelParts, cfg: SpeculativeConfi
 
 def _strategy_from_config(cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None) -> Strategy:
     """The strategy ``cfg`` names; ``num_tokens`` (a generate keyword) overrides ``cfg.num_tokens``."""
-    from .draft import DraftModel, SelfSpeculative
+    from .draft import DraftModel
+    from .self_draft import SelfSpeculative
 
     options: dict[str, Any] = {}
     k = num_tokens if num_tokens is not None else cfg.num_tokens

@@ -17,12 +17,9 @@ min-length rules and the sampling warpers apply exactly as in plain ``generate``
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,208 +27,23 @@ from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
+from ..native.growing import to_growing
+from .output import SpeculativeStats, build_output
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
+from .rows import Rows, check_cache, row_independent, scoreless, widen
 from .screen import HeadScreen
 from .strategies import Proposal, Strategy
+from .target import head_screen, target_step
 from .verify import Verdict, verify_greedy, verify_sampling
 
-__all__ = ["SpeculativeStats", "make_custom_generate"]
+__all__ = ["make_custom_generate"]
 
 logger = logging.getLogger("hf_accel.speculative")
 
 #: the (scores, logits) the stopping criteria see for a token picked through the screened head: none were computed,
 #: and the screen only runs with criteria that do not read them
 _NO_SCORES = (torch.empty(0), torch.empty(0))
-
-
-@dataclass
-class SpeculativeStats:
-    """Counters of one speculative ``generate`` call.
-
-    Args:
-        strategy: the strategy's name.
-        proposed / accepted: draft tokens proposed and accepted, all rows together.
-        target_forwards: forward passes of the target, prefill included.
-        tokens: tokens generated, all rows together.
-        row_forwards: rows taking part in each target forward, summed (a finished row stops counting).
-        plain_steps: steps the :class:`~.policy.SpeculationPolicy` ran without drafts although some row had
-            (or could have had) a proposal, because the drafts were not expected to pay for the wider forward.
-        draft_s / verify_s: seconds spent proposing, and in target forwards plus verification.
-    """
-
-    strategy: str
-    proposed: int = 0
-    accepted: int = 0
-    target_forwards: int = 0
-    tokens: int = 0
-    row_forwards: int = 0
-    plain_steps: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Mean tokens a row gained per target forward (1.0 = no gain over plain decoding)."""
-        return self.tokens / self.row_forwards if self.row_forwards else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate, tokens_per_forward=self.tokens_per_forward)
-        return out
-
-
-class _Rows:
-    """Per-row sequences of the batch: the padded prompt, the real tokens, and what was generated."""
-
-    def __init__(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
-        self.prompt = input_ids  # [B, P] as given (left padded)
-        self.real = [row[m.bool()].cpu() for row, m in zip(input_ids, mask, strict=True)]  # [L_i] each
-        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
-        self.done = [False] * input_ids.shape[0]
-
-    def ids(self, row: int, extra: Sequence[int] = ()) -> torch.Tensor:
-        """``[1, P + g + len(extra)]``: what plain decoding's ``input_ids`` holds for this row."""
-        tail = torch.tensor([*self.generated[row], *extra], dtype=torch.long, device=self.prompt.device)
-        return torch.cat([self.prompt[row], tail])[None]
-
-    def sequence(self, row: int) -> torch.Tensor:
-        """The row's real tokens so far (prompt without padding, then generated), ``[L]`` on CPU."""
-        return torch.cat([self.real[row], torch.tensor(self.generated[row], dtype=torch.long)])
-
-
-@functools.cache
-def _row_independent_types() -> tuple[type, ...]:
-    import transformers.generation.logits_process as lp
-
-    names = [
-        "TemperatureLogitsWarper",
-        "TopKLogitsWarper",
-        "TopPLogitsWarper",
-        "MinPLogitsWarper",
-        "TypicalLogitsWarper",
-        "EpsilonLogitsWarper",
-        "EtaLogitsWarper",
-        "TopHLogitsWarper",
-        "MinLengthLogitsProcessor",
-        "MinNewTokensLengthLogitsProcessor",
-        "NoRepeatNGramLogitsProcessor",
-        "SequenceBiasLogitsProcessor",
-        "NoBadWordsLogitsProcessor",
-        "SuppressTokensLogitsProcessor",
-        "SuppressTokensAtBeginLogitsProcessor",
-        "ForcedBOSTokenLogitsProcessor",
-        "ForcedEOSTokenLogitsProcessor",
-        "ExponentialDecayLengthPenalty",
-        "InfNanRemoveLogitsProcessor",
-        "RepetitionPenaltyLogitsProcessor",
-    ]
-    return tuple(getattr(lp, n) for n in names if hasattr(lp, n))
-
-
-def row_independent(processor: Any) -> bool:
-    """Whether ``processor`` treats every row alone (no per-batch-index state): it may then be called on one row.
-
-    Others (user processors, prefix constraints, a repetition penalty with a per-row prompt length) are called
-    on the full original batch with the row replicated, and the row is read back at its own index.
-    """
-    if not isinstance(processor, _row_independent_types()):
-        return False
-    return not isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor)
-
-
-def _has_sliding_layers(cache: Any) -> bool:
-    return any(getattr(layer, "sliding_window", None) for layer in getattr(cache, "layers", []))
-
-
-def _check_cache(model: nn.Module, cache: Any, max_length: int) -> None:
-    if isinstance(cache, RowRollback):  # hf_accel's PagedCache: per-row rollback, any window
-        return
-    if _is_static(cache) or not hasattr(cache, "crop"):
-        raise IncompatibleOptionsError(
-            "speculative generation needs a cache that can roll back (DynamicCache or hf_accel.PagedCache), "
-            f"got {type(cache).__name__}; drop cache_implementation= or pass paged=True"
-        )
-    window = getattr(model.config, "sliding_window", None)
-    if _has_sliding_layers(cache) and window is not None and max_length > window:
-        raise IncompatibleOptionsError(
-            f"speculative generation past the sliding window ({max_length} > {window} tokens) needs the paged "
-            "cache: pass paged=True (Transformers' sliding-window cache layers cannot roll back there)"
-        )
-
-
-def _is_static(cache: Any) -> bool:
-    from transformers import StaticCache
-
-    return isinstance(cache, StaticCache)
-
-
-#: the head screens built so far, per LM head module: ``((weight pointer, version), screen)``
-_SCREENS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], HeadScreen]] = weakref.WeakKeyDictionary()
-
-
-def head_screen(model: nn.Module) -> HeadScreen | None:
-    """The int8 screen of ``model``'s LM head (built once, cached while the weight is unchanged), or ``None`` where
-    it does not apply: the logits must be exactly ``lm_head(model.model(...))`` (the lean draft architectures,
-    forward not replaced on the instance, no hooks), the head a float32 ``nn.Linear`` on the CPU, and the W8A16
-    kernel (AVX-512 VNNI build of the draft's native layers) available for its width; not under tensor parallelism."""
-    from ..core.dispatch import is_tensor_parallel
-    from .lean import LEAN_MODEL_TYPES, has_hooks, native_module
-
-    head = getattr(model, "lm_head", None)
-    if getattr(model.config, "model_type", None) not in LEAN_MODEL_TYPES or "forward" in vars(model):
-        return None
-    if is_tensor_parallel(model):  # a tensor-parallel head gathers its output across ranks
-        return None
-    if type(head) is not nn.Linear or not isinstance(getattr(model, "model", None), nn.Module):
-        return None
-    weight = head.weight
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
-        return None
-    if has_hooks((model, head)):
-        return None
-    key = (weight.data_ptr(), weight._version)
-    cached = _SCREENS.get(head)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    module = native_module({int(weight.shape[1])}, "avx512vnni")
-    if module is None or not module.vnni() or not module.w8a16_fits(weight.shape[1], 1):
-        return None
-    screen = HeadScreen.build(weight, head.bias, module.w8a16_linear)
-    _SCREENS[head] = (key, screen)
-    return screen
-
-
-def target_step(model: nn.Module) -> Any:
-    """The target's verification chunks and prompt through the draft's native layers (:class:`~.lean.LeanStep` with
-    float32 K/V over a growing cache; one C++ call for all decoder layers instead of ~30 module calls, ~12% of a 4 x 13
-    chunk on SmolLM2), or ``None`` where they do not apply: the lean architectures with native layers for this model
-    (float32 on the CPU, projections and MLPs they know), no hooks, no tensor-parallel shards, ``forward`` not
-    replaced on the instance."""
-    from .lean import LeanStep
-
-    if "forward" in vars(model):
-        return None
-    step = LeanStep.build(model, kv_dtype=torch.float32)
-    return step if step is not None and step.native is not None else None
-
-
-@functools.cache
-def _scoreless_criteria() -> tuple[type, ...]:
-    from transformers.generation import stopping_criteria as sc
-
-    names = ("MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria", "StopStringCriteria")
-    return tuple(getattr(sc, n) for n in names if hasattr(sc, n))
-
-
-def _scoreless(criterion: Any) -> bool:
-    """Whether a stopping criterion never reads the scores (the screened head computes none): Transformers' length,
-    time, EOS and stop-string criteria, or one that says so with ``reads_scores = False``."""
-    return type(criterion) in _scoreless_criteria() or getattr(criterion, "reads_scores", True) is False
 
 
 class _Loop:
@@ -261,7 +73,7 @@ class _Loop:
             and not self.sampling
             and not self.processors
             and not (self.want_scores or self.want_logits)
-            and all(_scoreless(c) for c in stopping)
+            and all(scoreless(c) for c in stopping)
         ):
             self.screen = head_screen(model)
 
@@ -300,16 +112,14 @@ class _Loop:
         cache = model_kwargs.get("cache")
         if cache is None:
             cache = DynamicCache(config=self.model.config)
-        _check_cache(self.model, cache, cfg.max_length)
+        check_cache(self.model, cache, cfg.max_length)
         step = None
         if type(cache) is DynamicCache:  # its full-attention layers append in place from here on (same contract)
-            from .growing import to_growing
-
             to_growing(cache)
             step = target_step(self.model)
             if step is not None and not step.native.serves(cache):
                 step = None  # e.g. sliding-window layers: the model's own forward runs every chunk
-        rows = _Rows(input_ids, mask)
+        rows = Rows(input_ids, mask, cfg.max_length)
         self.rows = rows
         self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(len(rows.done))}
         ragged = RaggedCache(self.model, cache, mask, step)
@@ -332,7 +142,8 @@ class _Loop:
         if self.streamer is not None:
             self.streamer.end()
         logger.debug("speculative generate: %s", self.stats.as_dict())
-        return self._output(cache)
+        cache = None if isinstance(cache, RowRollback) else cache  # a paged call's rows are the cache's to reset
+        return build_output(rows, cfg, self.history, self.stats, cache, (self.want_scores, self.want_logits))
 
     def _prefill(self, ragged: RaggedCache, input_ids: torch.Tensor) -> None:
         start = ragged.cache.get_seq_length()
@@ -357,7 +168,7 @@ class _Loop:
         rows = self.rows
         kept = 0
         for tok, sc in zip(tokens, step_scores, strict=True):
-            rows.generated[row].append(tok)
+            rows.append(row, tok)
             kept += 1
             if self.want_scores or self.want_logits:
                 self.history[row].append(sc)
@@ -373,53 +184,21 @@ class _Loop:
         prompt_len = self.rows.prompt.shape[1]
         return [max(0, self.config.max_length - (prompt_len + len(self.rows.generated[r])) - 1) for r in active]
 
-    @staticmethod
-    def _widen(budgets: list[int], rooms: list[int]) -> list[int]:
-        """Every drafting row's budget raised to the widest one (within its room): the verification chunk is as
-        wide as its widest row and computes the narrower rows' padding anyway, and a model draft feeds the whole
-        batch until its widest row is done, so the extra guesses cost nothing and may be accepted. Rows not drafting
-        this step (budget 0: paused, finished) stay at 0."""
-        widest = max(budgets, default=0)
-        return [min(widest, room) if b > 0 else 0 for b, room in zip(budgets, rooms, strict=True)]
-
     def _step(self, ragged: RaggedCache, active: list[int]) -> list[int]:
-        rows, policy = self.rows, self.policy
+        """One speculative step of the ``active`` rows: propose, verify in one target forward, emit, roll back."""
         t0 = time.perf_counter()
-        live = [not rows.done[r] for r in active]  # finished rows still in the batch feed holes only
-        rooms = self._rooms(active)
-        ks = self.strategy.k.budgets()
-        budgets = [min(b, room) if alive else 0 for b, room, alive in zip(ks, rooms, live, strict=True)]
-        shadowed = policy is not None and self.strategy.shadow
-        if policy is not None and not shadowed:  # a model draft costs work: decide before it drafts
-            k = policy.choose(budgets, producing=sum(live))
-            budgets = [min(b, k) for b in budgets]
-        budgets = self._widen(budgets, rooms)
-        # asked even with all-zero budgets, so stateful strategies see every step (they return empty proposals)
-        proposals = self.strategy.propose([rows.sequence(r) for r in active], budgets)
+        live = [not self.rows.done[r] for r in active]  # finished rows still in the batch feed holes only
+        proposals, lens = self._propose(active, live)
         t1 = time.perf_counter()
         self.stats.draft_s += t1 - t0
-        lens = [min(int(p.tokens.shape[0]), b) for p, b in zip(proposals, budgets, strict=True)]
-        if shadowed:  # free proposals: decide with their real lengths; each is scored whole against the output
-            k = policy.choose(lens, producing=sum(live))
-            for i, (p, n) in enumerate(zip(proposals, lens, strict=True)):
-                policy.shadow(i, p.tokens[:n].tolist())
-            lens = [min(n, k) for n in lens]
         width = 1 + max(lens)
-        device = rows.prompt.device
-        chunk = torch.zeros(len(active), width, dtype=torch.long)
+        chunk = torch.zeros(len(active), width, dtype=torch.long)  # [Ba, W]: the last token, then the drafts
         valid = torch.zeros(len(active), width, dtype=torch.bool)
         for i, (p, n) in enumerate(zip(proposals, lens, strict=True)):
             chunk[i, 0] = self.last[i]
             chunk[i, 1 : 1 + n] = p.tokens[:n]
             valid[i, : 1 + n] = live[i]
-        with torch.no_grad():
-            logits = picked = None
-            if self.screen is not None:  # the argmax of each real position, without forming the logits
-                hidden = ragged.feed(chunk.to(device), valid.to(device), hidden=True)  # [Ba, W, E]
-                picked = torch.zeros(len(active), width, dtype=torch.long)  # [Ba, W]
-                picked[valid] = self.screen.argmax(hidden[valid.to(device)].float()).cpu()
-            else:
-                logits = ragged.feed(chunk.to(device), valid.to(device)).float()  # [Ba, W, V]
+        logits, picked = self._score(ragged, chunk, valid)
         self.stats.target_forwards += 1
         self.stats.row_forwards += sum(live)
         verdicts = self._verify(active, proposals, lens, logits, live, picked)
@@ -438,17 +217,58 @@ class _Loop:
             self.last[i] = v.tokens[-1]
         ragged.rollback(drop)
         self.strategy.observe(lens, accepted)
-        if policy is not None:
-            policy.record_step(len(active), width, time.perf_counter() - t0)
-            policy.tick()
-            for i, (v, n) in enumerate(zip(verdicts, lens, strict=True)):
-                if v is None:
-                    continue
-                if shadowed:
-                    policy.produced(i, v.tokens)
-                else:
-                    policy.observe(i, v.accepted, n)
+        self._learn(verdicts, lens, len(active) * width, time.perf_counter() - t0)
         return self._compact(ragged, active)
+
+    def _propose(self, active: list[int], live: list[bool]) -> tuple[list[Proposal], list[int]]:
+        """Each active row's proposal, and how many of its tokens go into this step's verification."""
+        policy, rows = self.policy, self.rows
+        rooms = self._rooms(active)
+        ks = self.strategy.k.budgets()
+        budgets = [min(b, room) if alive else 0 for b, room, alive in zip(ks, rooms, live, strict=True)]
+        shadowed = policy is not None and self.strategy.shadow
+        if policy is not None and not shadowed:  # a model draft costs work: decide before it drafts
+            k = policy.choose(budgets, producing=sum(live))
+            budgets = [min(b, k) for b in budgets]
+        budgets = widen(budgets, rooms)
+        # asked even with all-zero budgets, so stateful strategies see every step (they return empty proposals)
+        proposals = self.strategy.propose([rows.sequence(r) for r in active], budgets)
+        lens = [min(int(p.tokens.shape[0]), b) for p, b in zip(proposals, budgets, strict=True)]
+        if shadowed:  # free proposals: decide with their real lengths; each is scored whole against the output
+            k = policy.choose(lens, producing=sum(live))
+            for i, (p, n) in enumerate(zip(proposals, lens, strict=True)):
+                policy.shadow(i, p.tokens[:n].tolist())
+            lens = [min(n, k) for n in lens]
+        return proposals, lens
+
+    def _score(
+        self, ragged: RaggedCache, chunk: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The target's forward over ``chunk`` ``[Ba, W]``: its logits ``[Ba, W, V]``, or through the screened head
+        each real position's argmax ``[Ba, W]`` (then no logits)."""
+        device = self.rows.prompt.device
+        with torch.no_grad():
+            if self.screen is None:
+                return ragged.feed(chunk.to(device), valid.to(device)).float(), None
+            hidden = ragged.feed(chunk.to(device), valid.to(device), hidden=True)  # [Ba, W, E]
+            picked = torch.zeros(chunk.shape, dtype=torch.long)  # [Ba, W]
+            picked[valid] = self.screen.argmax(hidden[valid.to(device)].float()).cpu()
+        return None, picked
+
+    def _learn(self, verdicts: list[Verdict | None], lens: list[int], fed: int, seconds: float) -> None:
+        """Tell the policy (if any) what the step cost and what each row gained."""
+        policy = self.policy
+        if policy is None:
+            return
+        policy.record_step(1, fed, seconds)
+        policy.tick()
+        for i, (v, n) in enumerate(zip(verdicts, lens, strict=True)):
+            if v is None:
+                continue
+            if self.strategy.shadow:
+                policy.produced(i, v.tokens)
+            else:
+                policy.observe(i, v.accepted, n)
 
     def _compact(self, ragged: RaggedCache, active: list[int]) -> list[int]:
         """The rows that go on: finished rows leave once at least half of the batch has finished (or all of it).
@@ -518,39 +338,6 @@ class _Loop:
                     verdicts.append(verify_greedy(drafts, scores.argmax(-1).cpu()))
             self._scores.append([(scores[j], logits[i, j]) for j in range(n + 1)])
         return verdicts
-
-    # ------------------------------------------------------------------------------------- output
-    def _output(self, cache: Any) -> Any:
-        rows, cfg = self.rows, self.config
-        longest = max(len(g) for g in rows.generated)
-        pad = cfg._pad_token_tensor
-        pad_id = int(pad) if pad is not None else 0
-        tail = torch.full((len(rows.generated), longest), pad_id, dtype=torch.long)
-        for i, g in enumerate(rows.generated):
-            tail[i, : len(g)] = torch.tensor(g, dtype=torch.long)
-        sequences = torch.cat([rows.prompt, tail.to(rows.prompt.device)], 1)
-        if not cfg.return_dict_in_generate:
-            return sequences
-        from .output import SpeculativeGenerateOutput
-
-        def stacked(which: int) -> tuple[torch.Tensor, ...] | None:
-            if not (self.want_scores if which == 0 else self.want_logits):
-                return None
-            steps = []
-            for t in range(longest):
-                ref = next(h[t][which] for h in self.history.values() if len(h) > t)
-                steps.append(
-                    torch.stack([h[t][which] if len(h) > t else torch.zeros_like(ref) for h in self.history.values()])
-                )
-            return tuple(steps)
-
-        return SpeculativeGenerateOutput(
-            sequences=sequences,
-            scores=stacked(0),
-            logits=stacked(1),
-            cache=None if isinstance(cache, RowRollback) else cache,
-            speculative=self.stats.as_dict(),
-        )
 
 
 def make_custom_generate(strategy: Strategy, streamer: Any, on_stats: Callable[[SpeculativeStats], None]) -> Callable:

@@ -36,8 +36,8 @@ class RaggedCache:
         mask: ``[B, T0]`` the layout of what the cache will hold after the first :meth:`feed` (the prompt's
             padding mask); the first feed passes the tokens the cache lacks.
         step: runs feeds of up to ``LEAN_MAX_WIDTH`` tokens instead of the model's forward (a draft's
-            :class:`~.lean.LeanStep`, or the target's for its verification chunks), and prompts too where it has a
-            ``takes_prompt(cache, mask cells)`` that says so; not with a ``PagedCache``.
+            :class:`~hf_accel.native.step.LeanStep`, or the target's for its verification chunks), and prompts too
+            where it has a ``takes_prompt(cache, mask cells)`` that says so; not with a ``PagedCache``.
     """
 
     def __init__(

@@ -1,11 +1,11 @@
-"""A compiled decode step over the :class:`~.cache.PagedCache` (the ``compile`` feature's paged part).
+"""A compiled decode step over the :class:`~hf_accel.PagedCache` (the ``compile`` feature's paged part).
 
 It serves one-token decode steps and short chunks whose every logit is needed (speculative verification).
 
 The eager paged path plans each forward inside attention (block allocation, the K/V tag on ``update``'s
 output): Python that ``torch.compile`` cannot trace. The compiled step moves that bookkeeping out of the graph:
 
-1. before the forward, in Python, :meth:`~.cache.PagedCache.decode_plan` allocates the step's slots and builds
+1. before the forward, in Python, :meth:`~hf_accel.PagedCache.decode_plan` allocates the step's slots and builds
    the block tables (the same plan the eager path makes at its first layer);
 2. the model's own ``forward`` then runs compiled, with no Transformers cache at all (``cache=None``,
    ``use_cache=False``) and the plan as one extra keyword argument, which Transformers passes down to every
@@ -23,118 +23,17 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._ext import define_op
-from .attention import DECODE_MAX_QUERY, PLAN_KWARG, dense_attention, kernel_usable, native_kernel
-from .cache import PagedCache
-from .layer import uses_paged_attention
-from .plan import token_slots
+from ..paged.attention import DECODE_MAX_QUERY, PLAN_KWARG
+from ..paged.cache import PagedCache
+from ..paged.layer import uses_paged_attention
+from ..paged.step_op import DecodePlan
 
-__all__ = ["CompiledPagedDecode", "DecodePlan", "define_paged_op"]
-
-
-class DecodePlan(NamedTuple):
-    """One compiled step's plan (``Q`` new tokens per row), passed to every layer's attention (on its device).
-
-    Args:
-        slots: ``[B*Q]`` int64 pool slot of each new token (row-major); -1 for a token not stored (a released
-            row, a hole).
-        block_tables: ``[B, MB]`` int32.
-        q_pos: ``[B, Q]`` int32 index of each new token in its sequence; -1 for a token not stored.
-        keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
-        kernel: attend with the native kernel (else the gather reference).
-    """
-
-    slots: torch.Tensor
-    block_tables: torch.Tensor
-    q_pos: torch.Tensor
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    kernel: bool
-
-
-def _write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``new`` ([B, H_kv, Q, D]) at ``slots`` ([B*Q], -1 = skip) of ``pool`` ([NB, BS, H_kv, D])."""
-    rows = new.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B*Q, H_kv, D]
-    keep = slots >= 0
-    if not bool(keep.all()):
-        rows, slots = rows[keep], slots[keep]
-    pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, rows.to(pool.dtype))
-
-
-def table_attention(
-    query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    q_pos: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    """Reference attention over the pool through block tables (what the native kernel computes).
-
-    Shapes: query ``[B, H_q, Q, D]``; pools ``[NB, BS, H_kv, D]``; block_tables ``[B, MB]``; q_pos ``[B, Q]``
-    (-1 = padding, which gets zeros). Returns ``[B, Q, H_q, D]``.
-    """
-    batch, heads, q_len, dim = query.shape
-    block = k_pool.shape[1]
-    out = query.new_zeros(batch, q_len, heads, dim)
-    flat_k, flat_v = k_pool.view(-1, *k_pool.shape[2:]), v_pool.view(-1, *v_pool.shape[2:])  # [NB*BS, H_kv, D]
-    for row in range(batch):
-        pos = q_pos[row]
-        real = (pos >= 0).nonzero().flatten()
-        if real.numel() == 0:
-            continue
-        slots = token_slots(block_tables[row], int(pos.max()) + 1, block)  # [n]
-        k = flat_k.index_select(0, slots).transpose(0, 1)  # [H_kv, n, D]
-        v = flat_v.index_select(0, slots).transpose(0, 1)
-        o = dense_attention(query[row][:, real], k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
-        out[row, real] = o.transpose(0, 1).to(out.dtype)
-    return out
-
-
-def _paged_decode(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
-    q_pos: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
-    kernel: bool,
-) -> torch.Tensor:
-    # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] -> [B, Q, H_q, D]
-    _write(k_pool, key, slots)
-    _write(v_pool, value, slots)
-    if kernel:
-        return native_kernel().paged_attention(  # type: ignore[union-attr]
-            query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap
-        )
-    return table_attention(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
-
-
-def _paged_decode_fake(query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, kernel):
-    b, h, q, d = query.shape  # shapes only, for tracing
-    return query.new_empty((b, q, h, d))
-
-
-def define_paged_op() -> Callable[..., torch.Tensor]:
-    """Define ``torch.ops.hf_accel.paged_decode`` once per process (called at patch time, never at import)."""
-    schema = (
-        "(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
-        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, bool kernel) -> Tensor"
-    )
-    return define_op("paged_decode", schema, _paged_decode, _paged_decode_fake)
+__all__ = ["CompiledPagedDecode"]
 
 
 #: ``forward`` keyword arguments the compiled step understands; any other (labels, output_attentions,
@@ -223,7 +122,7 @@ class CompiledPagedDecode:
                 if t.shape[1] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
         layers = cache.layers
-        kernel = kernel_usable(cache.attention, layers[0].device, cache.dtype, cache.block_size, cache.head_dim)
+        kernel = layers[0].attention.native  # the cache's choice (kernels.ops.choose), reported with the cache
         plan = DecodePlan(
             slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), kernel
         )  # fmt: skip

@@ -1,5 +1,5 @@
-// The decoder layers of a Llama-family model in one native call (hf_accel/speculative/lean.py): a speculative draft's
-// steps and catch-ups, a target's verification chunks and prompts.
+// The decoder layers of a Llama-family model in one native call: the native executor (hf_accel/native/), which runs
+// plain decoding steps and prompts, speculative drafts' steps and catch-ups, and targets' verification chunks.
 //
 // A draft step at SmolLM2's size is mostly per-operator overhead when each layer runs as ~25 PyTorch calls
 // (~250 us per layer against ~200 us of int8 maths). Here every layer runs in C++: RMSNorm, the q/k/v/o and
@@ -10,7 +10,7 @@
 // prompt-wide chunk) and SiLU-gated MLP. Same maths as the layers' modules in fp32 (float32 K/V, weight-only int8);
 // only the rounding order differs.
 //
-// Compiled three times (lean_layers / lean_layers_avx512 / lean_layers_vnni): int8 weights use the widest
+// Part of every instruction-set build of the CPU extension (module.cpp): int8 weights use the widest
 // weight-only int8 kernel of the build; the VNNI build can also run them with quantized activations and integer
 // dot products: W8A16 (hf_accel/csrc/w8a16_impl.h: int16 activations, for steps and catch-ups, where the
 // weight-only kernel's conversions and FMAs rather than the weight bytes set the pace) or W8A8
@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 #include "int8_traits.h"
+#include "registry.h"
 #ifdef __AVX512F__
 #include "avx512_common.h"
 #endif
@@ -454,11 +455,13 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
 
 }  // namespace
 
+namespace hf_accel::cpu {
+
 // h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
-// int8 projections run (Mode; other than weight-only in the VNNI build only).
+// int8 projections run (Mode; other than weight-only in the VNNI build only). `flat`: kParams tensors per layer.
 // keys / values: per layer [B, H_kv, cap, D] contiguous buffers (float32, or float16: saturated at +-65504) holding
 // `used` columns; the chunk's C columns are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
-torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& params,
+torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat,
                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t used,
                      torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
                      double eps, double scaling, int64_t mode) {
@@ -466,7 +469,8 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
   TORCH_CHECK(mode == kWeightOnly || (kVnni && (mode == kW8A16 || mode == kW8A8)),
               "lean layers: mode ", mode, " is not available in this build");
   TORCH_CHECK(allowed.dim() == 3 && allowed.scalar_type() == torch::kBool, "lean layers: allowed must be [B, C, T]");
-  TORCH_CHECK(params.size() == keys.size() && keys.size() == values.size(), "lean layers: one cache per layer");
+  TORCH_CHECK(flat.size() == keys.size() * kParams && keys.size() == values.size(),
+              "lean layers: ", kParams, " parameters and one K/V buffer pair per layer");
   const int64_t B = allowed.size(0), C = allowed.size(1), T = allowed.size(2), M = h.size(0), E = h.size(1);
   TORCH_CHECK(M == B * C && T == used + C, "lean layers: shapes of h, allowed and used disagree");
   auto x = h.contiguous().clone();  // [M, E] the residual stream
@@ -477,9 +481,8 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
   auto normed = torch::empty_like(x);
   auto attn = torch::empty({M, heads * D}, x.options());
   const auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
-  for (size_t l = 0; l < params.size(); ++l) {
-    const auto& p = params[l];
-    TORCH_CHECK(p.size() == kParams, "lean layers: layer ", l, " has ", p.size(), " parameters, expected ", kParams);
+  for (size_t l = 0; l < keys.size(); ++l) {
+    const std::vector<torch::Tensor> p(flat.begin() + l * kParams, flat.begin() + (l + 1) * kParams);
     const auto& kb = keys[l];
     const auto& vb = values[l];
     TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.dim() == 4 && kb.size(0) == B &&
@@ -525,15 +528,12 @@ torch::Tensor layers(torch::Tensor h, const std::vector<std::vector<torch::Tenso
   return x;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("layers", &layers, "Llama-family decoder layers of a draft over a short chunk (int8 or float weights)");
-  m.def("isa", []() { return std::string(V::kName); });
+void register_decoder_layers(pybind11::module_& m) {
+  m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers over a chunk (int8 or float weights)");
   m.def("float_linear", &float_linear, "x @ W^T of a narrow chunk, W float32 [N, K] read in place (float projections)");
   m.def("float_linear_fits", &dot_fits, "whether float_linear takes (x, weight)");
   m.def("vnni", []() { return kVnni; }, "whether this build can run the int8 projections as W8A16 / W8A8");
-#ifdef __AVX512VNNI__
-  m.def("w8a8_linear", &hf_accel::w8a8::w8a8_linear, "W8A8 linear (a wide chunk's LM head)");
-  m.def("w8a16_linear", &hf_accel::w8a16::w8a16_linear, "W8A16 linear (a step's LM head)");
-  m.def("w8a16_fits", &hf_accel::w8a16::fits, "whether (in_features, scales per row) suit W8A16");
-#endif
+  m.def("float_linear_max_rows", []() { return kDotMaxRows; }, "float_linear takes at most this many rows");
 }
+
+}  // namespace hf_accel::cpu

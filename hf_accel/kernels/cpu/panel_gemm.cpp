@@ -1,4 +1,4 @@
-// fp32 y = x @ W^T (+ b) for a weight packed in panels of 16 output features, AVX-512.
+// fp32 y = x @ W^T (+ b) for a weight packed in panels of 16 output features, AVX-512 (AVX-512 builds only).
 //
 // Layout: W [N, K] becomes P = N / 16 panels, each [K, 16] contiguous ([P, K, 16] in all): step k of a panel is
 // one 64-byte vector holding W[16p .. 16p + 15, k]. A tile of NP panels (16 * NP outputs) is computed for MT
@@ -13,6 +13,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "registry.h"
+
+#ifdef __AVX512F__
 namespace {
 
 template <int MT, int NP>
@@ -67,20 +70,22 @@ void run(const float* x, int64_t M, int64_t K, const float* wp, int64_t panels, 
 
 }  // namespace
 
+namespace hf_accel::cpu {
+
 // W [N, K] -> [N / 16, K, 16] (N a multiple of 16).
-torch::Tensor pack(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "pack: need a [N, K] weight with N a multiple of 16");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "pack: float32 only");
+torch::Tensor panel_pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % 16 == 0, "panel_pack: need a [N, K] weight with N a multiple of 16");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "panel_pack: float32 only");
   const auto N = w.size(0), K = w.size(1);
   return w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
 }
 
 // x [M, K] contiguous float32, packed [N / 16, K, 16], bias [N] or None -> [M, N].
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16, "linear: bad shapes");
-  TORCH_CHECK(x.size(1) == packed.size(1), "linear: in_features mismatch");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "linear: float32 only");
-  TORCH_CHECK(packed.is_contiguous(), "linear: packed weight must be contiguous");
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 16, "panel_linear: bad shapes");
+  TORCH_CHECK(x.size(1) == packed.size(1), "panel_linear: in_features mismatch");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "panel_linear: float32 only");
+  TORCH_CHECK(packed.is_contiguous(), "panel_linear: packed weight must be contiguous");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), panels = packed.size(0);
   auto y = torch::empty({M, panels * 16}, xc.options());
@@ -88,7 +93,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   torch::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->contiguous();
-    TORCH_CHECK(bc.numel() == panels * 16 && bc.scalar_type() == torch::kFloat32, "linear: bad bias");
+    TORCH_CHECK(bc.numel() == panels * 16 && bc.scalar_type() == torch::kFloat32, "panel_linear: bad bias");
     b = bc.data_ptr<float>();
   }
   if (M == 0) return y;
@@ -101,7 +106,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
-  m.def("linear", &linear, "x @ W^T + b with a panel-packed weight (AVX-512)");
+void register_panel_gemm(pybind11::module_& m) {
+  m.def("panel_pack", &panel_pack, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
+  m.def("panel_linear", &panel_linear, "x @ W^T + b with a panel-packed weight (AVX-512)");
 }
+
+}  // namespace hf_accel::cpu
+#else
+namespace hf_accel::cpu {
+void register_panel_gemm(pybind11::module_& m) { (void)m; }  // AVX-512 builds only
+}  // namespace hf_accel::cpu
+#endif

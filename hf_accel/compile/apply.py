@@ -3,12 +3,13 @@
 Three independent parts (see :class:`~hf_accel.core.config.CompileConfig`):
 
 * ``prepack`` — every ``nn.Linear`` of the decoder layers (the fused ``gate_up_proj`` included) and the LM
-  head becomes a :class:`~.packed.PackedLinear`. The float weight is released (the packed copy holds the same
-  values) and restored bitwise by ``unpatch_model``; a tied LM head keeps its float weight for the embedding.
-* ``mlp`` — each :class:`~.mlp.FusedGatedMLP` routes decode steps (``[B, 1, H]``) through one ``torch.compile``'d
-  function shared by all layers (weights are arguments, so 30 layers are one graph, not 30 recompiles).
+  head becomes a :class:`~hf_accel.fused.packed.PackedLinear`. The float weight is released (the packed copy holds
+  the same values) and restored bitwise by ``unpatch_model``; a tied LM head keeps its float weight for the embedding.
+* ``mlp`` — each :class:`~hf_accel.fused.mlp.FusedGatedMLP` routes decode steps (``[B, 1, H]``) through one
+  ``torch.compile``'d function shared by all layers (weights are arguments, so 30 layers are one graph, not 30
+  recompiles).
 * ``decode_step`` — decode steps and short verification chunks over hf_accel's paged cache run compiled
-  (:class:`~hf_accel.paged.compiled.CompiledPagedDecode`, bound as the instance's ``forward`` when the paged
+  (:class:`~.paged_step.CompiledPagedDecode`, bound as the instance's ``forward`` when the paged
   feature is on), and a ``generate`` call with ``cache_implementation="static"`` gets Transformers'
   ``compile_config`` (with CPU allowed), so Transformers compiles its decode step.
 
@@ -30,10 +31,11 @@ from ..core.dispatch import check_resident, is_sharded, transfer_hook
 from ..core.errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
-from ..paged.compiled import CompiledPagedDecode, define_paged_op
+from ..fused.mlp import FusedGatedMLP
+from ..fused.packed import PackedLinear, define_compiled_op, packing_unavailable, unpack_linears
 from ..paged.layer import uses_paged_attention
-from .mlp import FusedGatedMLP
-from .packed import PackedLinear, define_compiled_op, packing_unavailable, unpack_linears
+from ..paged.step_op import define_paged_op
+from .paged_step import CompiledPagedDecode
 
 if TYPE_CHECKING:
     from ..core.state import PatchState

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "avx2_common.h"
+#include "registry.h"
 #include "vexp.h"
 
 #include <algorithm>
@@ -276,6 +277,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 
 }  // namespace
 
+namespace hf_accel::cpu {
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                               torch::Tensor q_pos, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
@@ -298,6 +301,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block pool (AVX2)");
+void register_paged_attention(pybind11::module_& m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a block pool (AVX2 code in every build)");
 }
+
+}  // namespace hf_accel::cpu

@@ -1,0 +1,97 @@
+"""What one engine step does with the model: the packed forward, then each request's next tokens.
+
+:func:`packed_forward` lays the scheduled work out as one ``[1, N]`` chunk over the paged pool (the cache's packed
+plan) and returns each sampling request's logits. :func:`next_tokens` turns a request's logits (one row per fed
+draft, plus one) into its verdict: greedy or sampled, through its logits processors, with speculative drafts verified
+as plain decoding would have chosen. Per-token work reads each request's :class:`~hf_accel.core.tokens.TokenBuffer`
+(its ids so far, as a view), never a tensor rebuilt from its whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..paged.attention import DECODE_MAX_QUERY
+from ..paged.cache import PagedCache
+from ..speculative.verify import Verdict, verify_greedy, verify_sampling
+from .request import FinishReason, Tracked
+from .scheduler import Work
+
+__all__ = ["next_tokens", "packed_forward", "stop_reason"]
+
+
+def packed_forward(model: nn.Module, cache: PagedCache, works: list[Work], device: torch.device) -> dict[int, Any]:
+    """One forward over the packed chunk of ``works``; returns each sampling request's logits ``[1 + drafts, V]``
+    float32, by request id."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    copies = []
+    keep: list[int] = []
+    for w in works:
+        fed = w.tokens + w.drafts
+        if w.sample:
+            keep.extend(range(len(ids) + len(fed) - 1 - len(w.drafts), len(ids) + len(fed)))
+        ids.extend(fed)
+        pos.extend(range(w.start, w.start + len(fed)))
+        slots.extend(w.slots)
+        copies.extend(w.copies)
+    seqs, starts = [w.state.seq for w in works], [w.start for w in works]
+    cache.pin_packed(seqs, starts, slots, copies, short_max=DECODE_MAX_QUERY)
+    try:
+        with torch.no_grad():
+            out = model(
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.tensor([pos], device=device),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep or [0], device=device),
+            )
+    finally:
+        cache.unpin()
+    logits = out.logits[0].float()  # [K, V]
+    result, at = {}, 0
+    for w in works:
+        if w.sample:
+            n = 1 + len(w.drafts)
+            result[w.state.rid] = logits[at : at + n]
+            at += n
+    return result
+
+
+def _scores(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """The processed scores ``[1, V]`` after the request's ids so far plus ``drafts`` (a view when there are none)."""
+    ids = tracked.ids.view()
+    if drafts:
+        ids = torch.cat([ids, torch.tensor(drafts, dtype=torch.long, device=ids.device)])
+    return tracked.spec.processors(ids[None].to(logits.device), logits[None])
+
+
+def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> Verdict:
+    """The request's next token(s) from ``logits`` ``[1 + drafts, V]``: the drafts it keeps plus one of its own."""
+    if tracked.spec.sample:
+        rows = [_scores(tracked, drafts[:j], logits[j])[0] for j in range(len(drafts) + 1)]
+        probs = torch.stack(rows).softmax(-1)  # [1 + drafts, V]
+        return verify_sampling(torch.tensor(drafts, dtype=torch.long, device=probs.device), probs, None)
+    picks = []
+    for j in range(len(drafts) + 1):  # stop scoring at the first mismatch
+        picks.append(int(_scores(tracked, drafts[:j], logits[j]).argmax(-1)))
+        if j == len(drafts) or picks[-1] != drafts[j]:
+            break
+    picks += [-1] * (len(drafts) + 1 - len(picks))
+    return verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
+
+
+def stop_reason(tracked: Tracked, token: int, generated: int, max_new_tokens: int) -> FinishReason | None:
+    """Why the request stops after ``token`` (already appended to its ids), or ``None``."""
+    spec = tracked.spec
+    if not bool(spec.stopping(tracked.ids.view()[None], None).any()):
+        return None
+    if token in spec.eos:
+        return FinishReason.EOS
+    if generated >= max_new_tokens:
+        return FinishReason.LENGTH
+    return FinishReason.STOP

@@ -1,0 +1,158 @@
+"""The ``native`` feature: plain decoding (prompts and decode steps over Transformers' dynamic cache) through the
+native executor.
+
+``patch_model(model, native=True)`` binds a :class:`NativeForward` as the instance's ``forward`` (recorded). A call
+that ``generate`` makes for a step over a ``DynamicCache`` runs :class:`~.step.LeanStep` (every decoder layer in one
+native call, the cache's layers turned into growing ones in place); any other call (another cache, options the step
+does not cover, gradients, the paged cache, a compiled step) goes to the forward it replaced, unchanged. Where the
+executor cannot serve the model at all (another architecture, bfloat16 weights, hooks...) the feature changes
+nothing, says why in ``patch_report`` and logs a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..core.config import NativeConfig
+from ..core.recorder import Recorder
+from ..core.registry import ModelParts
+from .growing import GrowingLayer, to_growing
+from .step import LeanStep
+
+__all__ = ["NativeForward", "apply_native"]
+
+logger = logging.getLogger(__name__)
+FEATURE = "native"
+
+#: ``forward`` keyword arguments a native step understands; any other sends the call to the replaced forward
+_STEP_KWARGS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cache", "use_cache", "return_dict", "logits_to_keep"}
+)
+
+
+def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
+    """Where and how every weight of ``model`` is stored: a new tensor (``model.to(...)``, ``param.data = ...``, a
+    replaced module) changes it; in-place updates keep the storage the executor reads, so they need not."""
+    return tuple((t.data_ptr(), t.dtype, t.device) for t in (*model.parameters(), *model.buffers()))
+
+
+class NativeForward:
+    """A model's ``forward`` (bound on the instance) that runs calls over a dynamic cache through the executor.
+
+    The executor holds the weights it read; at the start of every sequence (an empty cache) the model's weights are
+    checked to still be those tensors, and the executor is rebuilt from the model otherwise (or, where it cannot
+    serve the changed model, e.g. cast to bfloat16, the replaced forward runs, with a warning).
+
+    Args:
+        model: the patched model.
+        step: the model's :class:`~.step.LeanStep` (native layers, float32 K/V).
+        inner: the forward it replaces (the class's, or another feature's instance forward).
+        prompts: run prompts natively too (``NativeConfig.prompts``).
+    """
+
+    def __init__(self, model: nn.Module, step: LeanStep, inner: Callable[..., Any], prompts: bool) -> None:
+        self.step: LeanStep | None = step
+        self.inner, self.prompts = inner, prompts
+        self._model = weakref.ref(model)
+        self._weights = _fingerprint(model)
+        self._lock = threading.Lock()
+        self.calls = 0  # calls that ran natively (for tests and reports)
+        functools.update_wrapper(self, inner)  # generate inspects forward's signature
+
+    def _current(self) -> LeanStep | None:
+        """The executor for the model's weights as they are now (rebuilt once after they changed)."""
+        model = self._model()
+        if model is None:
+            return None
+        weights = _fingerprint(model)
+        with self._lock:
+            if weights != self._weights:
+                step = LeanStep.build(model, kv_dtype=torch.float32)
+                self.step = step if step is not None and step.native is not None else None
+                self._weights = weights
+                if self.step is None:
+                    logger.warning("hf_accel: native: the model's weights changed and the executor cannot serve it "
+                                   "any more; its own forward runs")  # fmt: skip
+            return self.step
+
+    def __deepcopy__(self, memo: dict[int, object]) -> None:
+        return None  # a deep copy of a model runs its class's forward (hf_accel.core.state.plain_copy drops it)
+
+    def _runner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DynamicCache, LeanStep] | None:
+        """The call's dynamic cache and the executor to run it, or ``None`` (the replaced forward runs it)."""
+        cache, ids = kwargs.get("cache"), kwargs.get("input_ids")
+        if args or not _STEP_KWARGS.issuperset(kwargs) or torch.is_grad_enabled() or type(cache) is not DynamicCache:
+            return None
+        keep = kwargs.get("logits_to_keep", 0)
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or not isinstance(keep, int):
+            return None
+        if kwargs.get("use_cache") is False or kwargs.get("return_dict") is False:
+            return None
+        if any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in cache.layers):
+            return None  # sliding windows, quantized layers...: Transformers' own
+        fresh = cache.get_seq_length() == 0
+        if fresh and not self.prompts:
+            return None
+        step = self._current() if fresh else self.step  # a new sequence: are these still the weights it read?
+        if step is None:
+            return None
+        to_growing(cache)  # in place, same contract: new tokens are written into spare capacity
+        return (cache, step) if step.native.serves(cache) else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        runner = self._runner(args, kwargs)
+        if runner is None:
+            return self.inner(*args, **kwargs)
+        cache, step = runner
+        ids = kwargs["input_ids"]  # [B, C]
+        width, past = ids.shape[1], cache.get_seq_length()
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones(ids.shape[0], past + width, dtype=torch.long, device=ids.device)
+        if mask.ndim != 2 or mask.shape != (ids.shape[0], past + width):
+            return self.inner(*args, **kwargs)  # a 4D mask or one of another length: the model's own forward
+        if width > 1 and not step.takes_prompt(cache, mask.numel() * width):
+            return self.inner(*args, **kwargs)  # a prompt too large for the native call's boolean mask
+        positions = kwargs.get("position_ids")
+        if positions is None:  # what the model computes: each real token's index in its row
+            positions = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -width:]
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        logits = step(ids, mask, positions, cache, last=kwargs.get("logits_to_keep", 0))  # [B, C or keep, V]
+        self.calls += 1
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, recorder: Recorder) -> None:
+    """Bind :class:`NativeForward` as ``model.forward`` where the executor serves the model; else note why (and warn).
+
+    Side effects:
+        ``model.forward`` is set on the instance (recorded; ``unpatch_model`` removes it).
+    """
+    del parts
+    why = LeanStep.unsupported(model)
+    step = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
+    if step is not None and step.native is None:
+        why = step.why_not_native
+    if step is None or step.native is None:
+        recorder.note(FEATURE, f"executor not used: {why}")
+        recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")
+        name = type(model).__name__
+        logger.warning("hf_accel: native: the executor cannot serve %s (%s); it runs its own forward", name, why)
+        return
+    choice = step.native.choice
+    recorder.choose(FEATURE, "decoder_layers", choice.impl, choice.why, choice.rejected)
+    inner = model.__dict__.get("forward") or types.MethodType(type(model).forward, model)
+    native = NativeForward(model, step, inner, config.prompts)
+    recorder.set_instance_attr(FEATURE, model, "forward", native, "forward runs the native executor (dynamic cache)")

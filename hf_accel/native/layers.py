@@ -1,0 +1,280 @@
+"""Every decoder layer of a Llama-family step in one native call: the native executor's layers.
+
+:class:`NativeLayers` reads a model's decoder layers (RMSNorms, q/k/v/o projections, optional q/k head norms, a
+SiLU-gated MLP) into the flat parameter list of the ``decoder_layers`` op (:mod:`hf_accel.kernels.ops`; the C++ is
+``kernels/cpu/decoder_layers.cpp``, the pure-torch reference :func:`hf_accel.kernels.reference.decoder_layers`) and
+runs a chunk through all of them over a cache of :class:`~.growing.GrowingLayer` layers: the per-layer Python and
+dispatcher work (~250 us a layer at SmolLM2's size) disappears. Projections may be float32 ``nn.Linear`` or
+weight-only ``Int8Linear``; on an AVX-512 VNNI build int8 projections can also run with int16 (W8A16) or int8 (W8A8)
+activations (:meth:`NativeLayers.mode`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from ..fused.mlp import FusedGatedMLP
+from ..kernels.ops import Choice, choose, native_builds
+from ..kernels.reference import W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
+from ..quant.linear import Int8Linear, w8a8_fits
+from .growing import GrowingLayer
+
+__all__ = [
+    "PROMPT_MASK_CELLS",
+    "W8A8",
+    "W8A8_MIN_WIDTH",
+    "W8A16",
+    "W8A16_MIN_ROWS",
+    "WEIGHT_ONLY",
+    "NativeLayers",
+    "has_hooks",
+    "is_rms_norm",
+    "layers_choice",
+    "weight_only_native",
+]
+
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: From this chunk width (a draft's prompt-lookup guess check) a native int8 draft chunk runs W8A8 where it can (VNNI
+#: build): int8 activations halve W8A16's integer work again there. Narrower chunks (steps, catch-ups) run W8A16, whose
+#: int16 activations keep the int8 weights' own accuracy (a fully W8A8 draft accepted measurably less; one-off timings
+#: in docs/speculative.md)
+W8A8_MIN_WIDTH = 6
+#: From this many activation rows (batch x chunk width) the int8 projections run W8A16 where they can (VNNI build):
+#: one row streams the weights at memory speed either way, and the weight-only kernel skips quantizing it (one-off,
+#: SmolLM2's 30 layers with distinct int8 weights, ms at 1 / 2 / 4 rows: weight-only 4.4 / 6.8 / 7.4, W8A16
+#: 4.8 / 4.9 / 6.4; the head 0.68 / 1.37 / 1.41 against 0.83 / 0.74 / 0.83)
+W8A16_MIN_ROWS = 2
+#: Largest prompt mask (rows x prompt tokens x columns, one byte each) the native layers take (64 MiB: a batch of 4
+#: prompts of 4096 tokens)
+PROMPT_MASK_CELLS = 1 << 26
+#: the int8 group-size multiple each build's layers need (their weight-only int8 kernel's lanes)
+_LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8}
+
+
+def has_hooks(modules: Iterable[nn.Module]) -> bool:
+    """Whether any of ``modules`` carries forward (pre-)hooks or an accelerate hook: those must see the model's own
+    forward, so the lean paths stay off."""
+    return any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in modules)
+
+
+def is_rms_norm(module: Any) -> bool:
+    return isinstance(module, nn.Module) and hasattr(module, "variance_epsilon") and hasattr(module, "weight")
+
+
+def weight_only_native(module: Any) -> bool:
+    """Whether ``module`` is a weight-only ``Int8Linear`` with a native CPU kernel."""
+    return isinstance(module, Int8Linear) and module.activations == "float" and module.choice.native
+
+
+def _absent() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def _projection(module: Any, groups: set[int]) -> list[torch.Tensor] | None:
+    """``[weight, int8 scales or empty, bias or empty]`` of a float32 ``nn.Linear`` or a weight-only
+    ``Int8Linear`` with a native kernel (its group size added to ``groups``); ``None`` for anything else."""
+    bias = getattr(module, "bias", None)
+    bias = _absent() if bias is None else bias.detach()
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and bias.dtype == torch.float32:
+        return [module.weight.detach(), _absent(), bias]
+    if weight_only_native(module):
+        if bias.numel() and bias.dtype != torch.float32:
+            return None
+        qweight, scale = module.qweight, module.scale  # [N, K] int8, [N, G] float32
+        groups.add(qweight.shape[1] // scale.shape[1])
+        return [qweight, scale, bias]
+    return None
+
+
+def _mlp(mlp: nn.Module, groups: set[int]) -> list[torch.Tensor] | None:
+    """``gate`` (or the fused ``[gate; up]``), ``up`` (or absent) and ``down`` projections of a SiLU-gated MLP."""
+    if not isinstance(getattr(mlp, "act_fn", None), (nn.SiLU, SiLUActivation)) or not hasattr(mlp, "down_proj"):
+        return None
+    up: list[torch.Tensor] | None = [_absent()] * 3
+    fused = getattr(mlp, "gate_up_proj", None) if isinstance(mlp, FusedGatedMLP) else None
+    if fused is not None and not (type(fused) is nn.Linear or hasattr(fused, "dense_weight")):
+        gate = _projection(fused, groups)  # an int8 fused projection (a self-speculative draft's)
+    elif fused is not None:
+        bias = mlp.gate_up_bias
+        weight = mlp.gate_up_weight.detach()
+        gate = None if weight.dtype != torch.float32 else [weight, _absent(), _absent() if bias is None else bias]
+    elif hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
+        gate, up = _projection(mlp.gate_proj, groups), _projection(mlp.up_proj, groups)
+    else:
+        return None
+    down = _projection(mlp.down_proj, groups)
+    if gate is None or up is None or down is None:
+        return None
+    return [*gate, *up, *down]
+
+
+def layers_choice(groups: set[int], isa: str | None = None) -> Choice | None:
+    """The ``decoder_layers`` implementation for int8 projections in these group sizes: the widest native build that
+    takes them (:func:`hf_accel.kernels.ops.choose`), or with ``isa`` that build only; ``None`` where none does (the
+    layers' own modules run then)."""
+    group = next((g for g in sorted(groups) if g % 16), None) or next(iter(sorted(groups)), None)
+    choice = choose("decoder_layers", "cpu", group_size=group)
+    if isa is not None:
+        fn = native_builds("decoder_layers").get(isa)
+        fits = fn is not None and all(g % _LANES[isa] == 0 for g in groups)
+        return Choice("decoder_layers", f"cpu/{isa}", fn, "asked for", {}) if fits else None
+    return choice if choice.native else None
+
+
+def choose_layers_reasons(groups: set[int]) -> dict[str, str]:
+    """Why each build of ``decoder_layers`` does not take int8 projections in these group sizes."""
+    group = next((g for g in sorted(groups) if g % 16), None) or next(iter(sorted(groups)), None)
+    return choose("decoder_layers", "cpu", group_size=group).rejected
+
+
+class NativeLayers:
+    """Every decoder layer of a step in one native call (``decoder_layers``, :mod:`hf_accel.kernels.ops`).
+
+    Build it with :meth:`build` (``None`` where it does not apply); :meth:`serves` tells whether a cache suits it.
+    """
+
+    def __init__(
+        self, choice: Choice, params: list[list[torch.Tensor]], eps: float, scaling: float, kv: tuple[int, int, int]
+    ) -> None:
+        self.choice, self.eps, self.scaling = choice, eps, scaling
+        self.flat = [t for layer in params for t in layer]  # LAYER_PARAMS tensors per layer
+        self.num_layers = len(params)
+        self.heads, self.kv_heads, self.head_dim = kv
+        int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
+        #: every projection is float (a target, a float draft): prompts may run here too (:meth:`LeanStep.takes_prompt`)
+        self.float_only = not int8
+        vnni = choice.impl == "cpu/avx512vnni"
+        #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
+        #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
+        self.w8a16 = bool(int8) and vnni
+        self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
+        #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
+        #: (at a batch of 4 rows and a ~450-token context the fp32 K/V of SmolLM2's 30 layers are ~80 MB, close to
+        #: its int8 weights); a draft only proposes, so its keys' rounding can cost acceptance, never output
+        self.kv_dtype = torch.float16
+
+    def mode(self, rows: int, width: int) -> int:
+        """How a chunk of ``rows`` activation rows (batch x width), ``width`` tokens wide, runs the int8
+        projections: ``W8A8`` from ``W8A8_MIN_WIDTH`` tokens where possible, else ``W8A16`` from
+        ``W8A16_MIN_ROWS`` rows where possible, else ``WEIGHT_ONLY``."""
+        if self.w8a8 and width >= W8A8_MIN_WIDTH:
+            return W8A8
+        return W8A16 if self.w8a16 and rows >= W8A16_MIN_ROWS else WEIGHT_ONLY
+
+    def head_kernel(self, mode: int, head: nn.Module, rows: int) -> Callable[..., torch.Tensor] | None:
+        """The VNNI kernel the int8 ``head`` runs with on ``rows`` rows for a chunk whose layers ran ``mode``
+        (``None``: the weight-only kernel)."""
+        if mode == WEIGHT_ONLY or not weight_only_native(head):
+            return None
+        weight, scale = head.qweight, head.scale
+        if mode == W8A8 and w8a8_fits(weight, scale):
+            return choose("w8a8_linear", "cpu", groups=1, in_features=weight.shape[1]).fn
+        if rows >= W8A16_MIN_ROWS and w8a16_fits(weight.shape[1], scale.shape[1]):
+            return choose("w8a16_linear", "cpu", groups=1).fn
+        return None
+
+    @staticmethod
+    def build(step: Any, isa: str | None = None) -> NativeLayers | None:
+        """The native layers of ``step``'s model (a :class:`~.step.LeanStep`), or ``None`` (:meth:`inspect` says
+        why). ``isa``: that build only (tests)."""
+        return NativeLayers.inspect(step, isa)[0]
+
+    @staticmethod
+    def inspect(step: Any, isa: str | None = None) -> tuple[NativeLayers | None, str]:
+        """``(native layers, "")``, or ``(None, why not)``: weights not float32 / int8 on the CPU, a projection or MLP
+        the native layers do not know, differing norm epsilons, or no build for this CPU."""
+        norms = [step.norm]
+        groups: set[int] = set()
+        params = []
+        scaling = step.layers[0].self_attn.scaling
+        for index, layer in enumerate(step.layers):
+            parts, why = _layer_params(layer, groups, norms)
+            if parts is None:
+                return None, f"layer {index}: {why}"
+            if layer.self_attn.scaling != scaling:
+                return None, "the layers' attention scales differ"
+            params.append(parts)
+        if len({norm.variance_epsilon for norm in norms}) != 1:
+            return None, "the RMSNorm epsilons differ"
+        tensors = [t for layer in params for t in layer if t.numel()]
+        if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int8) for t in tensors):
+            return None, "the weights are not float32 (or int8) on the CPU"
+        choice = layers_choice(groups, isa)
+        if choice is None:
+            return None, "no native build takes these weights: " + str(choose_layers_reasons(groups))
+        kv = (step.heads, step.kv_heads, step.head_dim)
+        return NativeLayers(choice, params, float(step.norm.variance_epsilon), float(scaling), kv), ""
+
+    def serves(self, cache: Any) -> bool:
+        """Whether ``cache`` is one growing layer per decoder layer (the native call writes into its buffers)."""
+        layers = getattr(cache, "layers", None)
+        return (
+            layers is not None
+            and len(layers) == self.num_layers
+            and all(type(layer) is GrowingLayer for layer in layers)
+            and len({layer.get_seq_length() for layer in layers}) == 1
+        )
+
+    def __call__(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any, mode: int
+    ) -> torch.Tensor:
+        """Run every layer on ``h [B, C, E]``; ``cos / sin [B, C, D]``, ``allowed [B, C, T]`` bool; ``mode``: how the
+        int8 projections run (``WEIGHT_ONLY``, or ``W8A16`` / ``W8A8`` where :attr:`w8a16` / :attr:`w8a8`).
+        Appends the chunk's K/V to ``cache``; returns ``[B, C, E]``."""
+        batch, width, hidden = h.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        reserved = [layer.reserve(batch, kv_heads, width, dim, self.kv_dtype, h.device) for layer in cache.layers]
+        used = reserved[0][2]
+        out = self.choice.fn(
+            h.reshape(batch * width, hidden),
+            self.flat,
+            [r[0] for r in reserved],
+            [r[1] for r in reserved],
+            used,
+            allowed.contiguous(),
+            cos.reshape(batch * width, dim),
+            sin.reshape(batch * width, dim),
+            heads,
+            kv_heads,
+            self.eps,
+            self.scaling,
+            mode,
+        )  # [B*C, E]
+        for layer in cache.layers:
+            layer.commit(used + width)
+        return out.view(batch, width, hidden)
+
+
+def _kind(module: Any) -> str:
+    """A short description of a module the native layers do not take (its class, and a weight's dtype)."""
+    weight = getattr(module, "weight", None)
+    dtype = f"{str(weight.dtype).removeprefix('torch.')} " if isinstance(weight, torch.Tensor) else ""
+    return f"a {dtype}{type(module).__name__}"
+
+
+def _layer_params(layer: nn.Module, groups: set[int], norms: list[nn.Module]) -> tuple[list[torch.Tensor] | None, str]:
+    """One decoder layer's :data:`~hf_accel.kernels.reference.LAYER_PARAMS` tensors, or ``(None, why)`` where a part
+    is not one the native layers know; its norms are added to ``norms`` and int8 group sizes to ``groups``."""
+    attn = layer.self_attn
+    norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    parts = [_projection(getattr(attn, name), groups) for name in _ATTENTION_PARTS]
+    for name, part in zip(_ATTENTION_PARTS, parts, strict=True):
+        if part is None:
+            return None, f"self_attn.{name} is {_kind(getattr(attn, name))} (it takes float32 or weight-only int8)"
+    mlp = _mlp(layer.mlp, groups)
+    if mlp is None:
+        return None, f"the MLP ({type(layer.mlp).__name__}) is not a SiLU-gated one with float32 / int8 projections"
+    head_norms = [_absent(), _absent()]
+    if hasattr(attn, "q_norm"):
+        if not (is_rms_norm(attn.q_norm) and is_rms_norm(attn.k_norm)):
+            return None, "its q/k norms are not RMSNorms"
+        norms += [attn.q_norm, attn.k_norm]
+        head_norms = [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()]
+    ln = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+    return [*ln, *[t for part in parts for t in part], *mlp, *head_norms], ""  # LAYER_PARAMS order

@@ -1,0 +1,148 @@
+"""Per-row bookkeeping of a speculative batch and the rules the loop applies per row (no model code).
+
+:class:`Rows` keeps, per row, what plain decoding's ``input_ids`` would hold (the padded prompt, then the generated
+tokens) and the row's real tokens, both as growing tensors (:class:`~hf_accel.core.tokens.TokenBuffer`), so the
+stopping criteria and logits processors read views at every emitted token instead of a rebuilt sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import IncompatibleOptionsError
+from ..core.protocols import RowRollback
+from ..core.tokens import TokenBuffer
+
+__all__ = ["Rows", "check_cache", "row_independent", "scoreless", "widen"]
+
+
+class Rows:
+    """Per-row sequences of the batch: the padded prompt, the real tokens, and what was generated.
+
+    Args:
+        input_ids: ``[B, P]`` the prompts as given (left padded).
+        mask: ``[B, P]`` their padding mask.
+        max_length: the call's ``max_length`` (room reserved for each row's tokens).
+    """
+
+    def __init__(self, input_ids: torch.Tensor, mask: torch.Tensor, max_length: int) -> None:
+        self.prompt = input_ids  # [B, P]
+        self.real = [row[m.bool()].cpu() for row, m in zip(input_ids, mask, strict=True)]  # [L_i] each
+        self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+        self.done = [False] * input_ids.shape[0]
+        room = max(max_length, input_ids.shape[1]) + 1
+        device = input_ids.device
+        self._ids = [TokenBuffer(row.tolist(), capacity=room, device=device) for row in input_ids]
+        self._seq = [TokenBuffer(real.tolist(), capacity=room) for real in self.real]
+
+    def append(self, row: int, token: int) -> None:
+        """Row ``row`` generated ``token``."""
+        self.generated[row].append(token)
+        self._ids[row].append(token)
+        self._seq[row].append(token)
+
+    def ids(self, row: int, extra: Sequence[int] = ()) -> torch.Tensor:
+        """``[1, P + g + len(extra)]``: what plain decoding's ``input_ids`` holds for this row (a view without
+        ``extra``)."""
+        ids = self._ids[row].view()
+        if extra:
+            ids = torch.cat([ids, torch.tensor(list(extra), dtype=torch.long, device=ids.device)])
+        return ids[None]
+
+    def sequence(self, row: int) -> torch.Tensor:
+        """The row's real tokens so far (prompt without padding, then generated), ``[L]`` on CPU (a view)."""
+        return self._seq[row].view()
+
+
+def widen(budgets: list[int], rooms: list[int]) -> list[int]:
+    """Every drafting row's budget raised to the widest one (within its room): the verification chunk is as wide as
+    its widest row and computes the narrower rows' padding anyway, and a model draft feeds the whole batch until its
+    widest row is done, so the extra guesses cost nothing and may be accepted. Rows not drafting this step (budget 0:
+    paused, finished) stay at 0."""
+    widest = max(budgets, default=0)
+    return [min(widest, room) if b > 0 else 0 for b, room in zip(budgets, rooms, strict=True)]
+
+
+@functools.cache
+def _row_independent_types() -> tuple[type, ...]:
+    import transformers.generation.logits_process as lp
+
+    names = [
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "TopHLogitsWarper",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "SuppressTokensLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "InfNanRemoveLogitsProcessor",
+        "RepetitionPenaltyLogitsProcessor",
+    ]
+    return tuple(getattr(lp, n) for n in names if hasattr(lp, n))
+
+
+def row_independent(processor: Any) -> bool:
+    """Whether ``processor`` treats every row alone (no per-batch-index state): it may then be called on one row.
+
+    Others (user processors, prefix constraints, a repetition penalty with a per-row prompt length) are called
+    on the full original batch with the row replicated, and the row is read back at its own index.
+    """
+    if not isinstance(processor, _row_independent_types()):
+        return False
+    return not isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor)
+
+
+def _has_sliding_layers(cache: Any) -> bool:
+    return any(getattr(layer, "sliding_window", None) for layer in getattr(cache, "layers", []))
+
+
+def check_cache(model: nn.Module, cache: Any, max_length: int) -> None:
+    if isinstance(cache, RowRollback):  # hf_accel's PagedCache: per-row rollback, any window
+        return
+    if _is_static(cache) or not hasattr(cache, "crop"):
+        raise IncompatibleOptionsError(
+            "speculative generation needs a cache that can roll back (DynamicCache or hf_accel.PagedCache), "
+            f"got {type(cache).__name__}; drop cache_implementation= or pass paged=True"
+        )
+    window = getattr(model.config, "sliding_window", None)
+    if _has_sliding_layers(cache) and window is not None and max_length > window:
+        raise IncompatibleOptionsError(
+            f"speculative generation past the sliding window ({max_length} > {window} tokens) needs the paged "
+            "cache: pass paged=True (Transformers' sliding-window cache layers cannot roll back there)"
+        )
+
+
+def _is_static(cache: Any) -> bool:
+    from transformers import StaticCache
+
+    return isinstance(cache, StaticCache)
+
+
+@functools.cache
+def _scoreless_criteria() -> tuple[type, ...]:
+    from transformers.generation import stopping_criteria as sc
+
+    names = ("MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria", "StopStringCriteria")
+    return tuple(getattr(sc, n) for n in names if hasattr(sc, n))
+
+
+def scoreless(criterion: Any) -> bool:
+    """Whether a stopping criterion never reads the scores (the screened head computes none): Transformers' length,
+    time, EOS and stop-string criteria, or one that says so with ``reads_scores = False``."""
+    return type(criterion) in _scoreless_criteria() or getattr(criterion, "reads_scores", True) is False

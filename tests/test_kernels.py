@@ -1,0 +1,202 @@
+"""The kernel layer: every op's native builds against its pure-torch reference (tier b), the one place that chooses
+implementations (exact choices and reasons, tier a), and the torch ops (CPU dispatch, other devices, fakes).
+
+Tolerances: float32 products and attention differ from the reference only by summation order (stated per test);
+integer-dot kernels are exact up to the final float32 scaling; packing is bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close
+
+from hf_accel.kernels import reference
+from hf_accel.kernels.build import cpu_isas
+from hf_accel.kernels.ops import OPS, choose, native_builds, op
+from hf_accel.quant.core import quantize
+
+ISAS = ["avx512vnni", "avx512", "avx2"]
+
+
+def _builds(name: str) -> list[tuple[str, object]]:
+    return [(isa, fn) for isa, fn in native_builds(name).items() if fn is not None]
+
+
+def _params(name: str):
+    """One pytest param per build of op ``name`` on this machine (a skip where there is none)."""
+    return [pytest.param(fn, id=isa) for isa, fn in _builds(name)] or [
+        pytest.param(None, marks=pytest.mark.skip(reason=f"no native build of {name} on this CPU"))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- (b) ops
+@pytest.mark.parametrize("fn", _params("int8_linear"))
+@pytest.mark.parametrize(("rows", "group"), [(1, None), (3, 16), (16, 64), (40, None)])
+def test_int8_linear_against_reference(fn, rows, group):
+    torch.manual_seed(rows)
+    qw = quantize(torch.randn(200, 256), group)  # 200 rows: a partial tile
+    x = torch.randn(rows, 256)
+    expected = reference.int8_linear(x, qw.qweight, qw.scale)
+    # fp32 sums over 256 products in another order: a few ulps of the largest partial sums
+    assert_close(fn(x, qw.qweight, qw.scale), expected, atol=2e-4, rtol=1e-5, name="int8_linear")
+
+
+@pytest.mark.parametrize("name", ["w8a8_linear", "w8a16_linear"])
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 4), (5, 192, 203), (16, 576, 64)])
+def test_integer_dot_linears_against_reference(name, rows, k, n):
+    builds = _builds(name)
+    if not builds:
+        pytest.skip(f"no native build of {name} on this CPU")
+    torch.manual_seed(k + rows)
+    x, qw = torch.randn(rows, k) * 3, quantize(torch.randn(n, k))
+    expected = getattr(reference, name)(x, qw.qweight, qw.scale)
+    for _, fn in builds:  # exact integer dots; one float32 sum of 16 scaled groups rounds
+        got = fn(x, qw.qweight, qw.scale)
+        assert_close(got, expected, atol=2e-6 * float(expected.abs().max()), rtol=0, name=name)
+
+
+def test_quantize_activations_bitwise_like_reference():
+    builds = _builds("quantize_activations")
+    if not builds:
+        pytest.skip("no AVX-512 VNNI build on this CPU")
+    torch.manual_seed(3)
+    x = torch.randn(5, 128) * torch.logspace(-2, 2, 5).unsqueeze(1)
+    for _, fn in builds:
+        for got, expected in zip(fn(x), reference.vnni_activations(x), strict=True):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("fn", _params("paged_attention"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_against_reference(fn, dtype):
+    torch.manual_seed(0)
+    pools = torch.randn(2, 12, 8, 2, 16).to(dtype)  # K and V: [NB, BS, H_kv, D]
+    query = torch.randn(3, 4, 2, 16).to(dtype)  # [B, H_q, Q, D]
+    tables = torch.tensor([[5, 2, 0], [7, 0, 0], [1, 3, 9]], dtype=torch.int32)
+    q_pos = torch.tensor([[5, 6], [-1, -1], [20, 21]], dtype=torch.int32)  # row 1: padding only
+    args = (query, pools[0], pools[1], tables, q_pos, 0.25, 0, 0.0)
+    expected = reference.paged_attention(*args)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # online softmax in fp32, output rounded to the pool's dtype
+    assert_close(fn(*args).float(), expected.float(), atol=tol, rtol=tol, name=f"paged attention {dtype}")
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "avx512"])
+def test_panel_pack_and_linear_against_reference(isa):
+    pack, linear = native_builds("panel_pack").get(isa), native_builds("panel_linear").get(isa)
+    if pack is None:
+        pytest.skip(f"no {isa} build on this CPU")
+    torch.manual_seed(1)
+    w, x, b = torch.randn(48, 40), torch.randn(3, 40), torch.randn(48)
+    packed = pack(w)
+    assert torch.equal(packed, reference.panel_pack(w))  # a layout change: bitwise
+    assert_close(linear(x, packed, b), reference.panel_linear(x, packed, b), atol=1e-5, rtol=1e-5, name="panel")
+
+
+@pytest.mark.parametrize("fn", _params("float_linear"))
+def test_float_linear_against_reference(fn):
+    torch.manual_seed(2)
+    x, w = torch.randn(13, 64), torch.randn(37, 64)
+    assert_close(fn(x, w), reference.float_linear(x, w), atol=1e-5, rtol=1e-5, name="float_linear")
+
+
+def _decoder_args(int8: bool, width: int, used: int, kv_dtype: torch.dtype):
+    """Random weights for 2 Llama-style layers (E 64, 4 heads of 16, 2 K/V heads), a chunk and filled buffers."""
+    torch.manual_seed(width + used)
+    hidden, inter, heads, kv_heads, dim, batch = 64, 96, 4, 2, 16, 2
+
+    def proj(n: int, k: int) -> list[torch.Tensor]:
+        w = torch.randn(n, k) / k**0.5
+        if not int8:
+            return [w, torch.empty(0), torch.randn(n) * 0.1]
+        qw = quantize(w)
+        return [qw.qweight, qw.scale, torch.randn(n) * 0.1]
+
+    flat: list[torch.Tensor] = []
+    for _ in range(2):
+        ln = [1 + 0.1 * torch.randn(hidden), 1 + 0.1 * torch.randn(hidden)]
+        attn = proj(heads * dim, hidden) + proj(kv_heads * dim, hidden) + proj(kv_heads * dim, hidden)
+        attn += proj(hidden, heads * dim)
+        mlp = proj(2 * inter, hidden) + [torch.empty(0)] * 3 + proj(hidden, inter)  # fused gate/up
+        flat += [*ln, *attn, *mlp, torch.empty(0), torch.empty(0)]
+    total = used + width
+    keys = [torch.randn(batch, kv_heads, total + 8, dim).to(kv_dtype) for _ in range(2)]
+    values = [torch.randn(batch, kv_heads, total + 8, dim).to(kv_dtype) for _ in range(2)]
+    allowed = torch.ones(batch, width, total, dtype=torch.bool).tril(used)  # causal over the chunk
+    allowed[1, :, :3] = False  # row 1's first columns are padding
+    angles = torch.randn(batch * width, dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    h = torch.randn(batch * width, hidden)
+    return [h, flat, keys, values, used, allowed, cos, sin, heads, kv_heads, 1e-5, dim**-0.5, 0]
+
+
+@pytest.mark.parametrize("fn", _params("decoder_layers"))
+@pytest.mark.parametrize(("int8", "width", "used"), [(False, 1, 9), (True, 3, 9), (False, 70, 0), (True, 4, 0)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_decoder_layers_against_reference(fn, int8, width, used, kv_dtype):
+    """Every real query's hidden state and every written K/V column; float32 maths in another order (float16 K/V
+    rounded the same way on both sides)."""
+    args = _decoder_args(int8, width, used, kv_dtype)
+    ref = list(args)
+    ref[2], ref[3] = [t.clone() for t in args[2]], [t.clone() for t in args[3]]
+    expected = reference.decoder_layers(*ref)
+    got = fn(*args)
+    sees = args[5].any(-1).flatten()  # [B*C] queries with something to see (a padding query's output is unused)
+    assert_close(got[sees], expected[sees], atol=5e-4, rtol=5e-4, name="hidden")
+    width = args[5].shape[1]
+    written = slice(used, used + width)
+    rows = args[5].any(-1)  # [B, C]
+    for a, b in zip(args[2] + args[3], ref[2] + ref[3], strict=True):
+        mask = rows[:, None, :, None].expand(-1, a.shape[1], -1, a.shape[3])
+        assert_close(a[:, :, written][mask].float(), b[:, :, written][mask].float(), atol=5e-3, rtol=5e-3, name="kv")
+        assert torch.equal(a[:, :, :used], b[:, :, :used])  # the columns before the chunk are untouched
+
+
+# -------------------------------------------------------------------------------------------- (a) choose
+def test_every_op_has_a_reference_and_a_fake():
+    for spec in OPS.values():
+        assert callable(spec.reference) and spec.fake is not None, spec.name
+
+
+def test_choice_takes_the_widest_build_that_fits_and_says_why_not_the_others():
+    isas = cpu_isas()
+    if "avx2" not in isas:
+        pytest.skip("no AVX2 on this CPU")
+    eight = choose("int8_linear", "cpu", group_size=8)  # 8 lanes only: the AVX-512 builds refuse it
+    assert eight.impl == "cpu/avx2" and eight.native
+    for isa in ("avx512vnni", "avx512"):
+        reason = eight.rejected[f"cpu/{isa}"]
+        expected = "int8 groups of 8 are not a multiple of its 16 lanes" if isa in isas else "lacks"
+        assert expected in reason
+    assert eight.rejected["reference"] == "a native build runs here"
+    assert eight.describe()["uses"] == "cpu/avx2"
+    odd = choose("int8_linear", "cpu", group_size=4)
+    assert odd.impl == "reference" and odd.fn is reference.int8_linear
+    assert odd.rejected["cpu/avx2"] == "int8 groups of 4 are not a multiple of its 8 lanes"
+
+
+def test_other_devices_run_the_reference_and_say_so():
+    choice = choose("paged_attention", "meta")
+    assert choice.impl == "reference" and choice.rejected == {
+        "cpu/*": "no meta implementation yet: the pure-torch reference runs on meta"
+    }
+
+
+def test_pretended_cpu_changes_the_choice(pretend_cpu_lacks):
+    pretend_cpu_lacks(*ISAS)
+    choice = choose("float_linear", "cpu")
+    assert choice.impl == "reference"
+    assert choice.rejected["cpu/avx2"] == "(test) this CPU pretends to lack AVX2"
+
+
+def test_torch_op_dispatches_to_the_chosen_build_and_traces_with_its_fake():
+    if not choose("float_linear", "cpu").native:
+        pytest.skip("no native float_linear here")
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    float_linear = op("float_linear")
+    assert float_linear is op("float_linear")  # defined once per process
+    assert_close(float_linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5, name="op")
+    meta = float_linear(x.to("meta"), w.to("meta"))  # the fake: shapes only
+    assert meta.shape == (2, 8) and meta.device.type == "meta"
+    compiled = torch.compile(lambda a, b: float_linear(a, b) + 1, backend="eager", fullgraph=True)
+    assert_close(compiled(x, w), x @ w.T + 1, atol=1e-5, rtol=1e-5, name="compiled op")
