@@ -14,6 +14,10 @@ of each) so that the machine's drift spreads over all of them. Ratios are agains
 (Transformers' cache); compare a ``+ paged`` row with "plain generate + paged" (the paged cache without
 speculation, with ``--compile`` its compiled decode step) for the gain of speculation alone.
 
+``--native`` patches with ``native=True`` as well (docs/native.md): "plain generate" is then plain decoding through
+the native executor, so every ratio is speculation's own gain on the same executor; a first row "plain generate,
+model forward" (a copy patched without it) gives the executor's own gain.
+
 ``--compile`` patches with ``compile=True`` as well (pre-packed linears, docs/compile.md): "plain generate" is
 then the packed model without speculation, and a first row "plain generate, unpatched" gives the ratio against
 the user's original model; Transformers' methods are skipped (they bypass the packed linears). Self-speculation's
@@ -77,6 +81,13 @@ def run(model, inputs, new: int, **kwargs) -> tuple[float, torch.Tensor, dict | 
     return produced / elapsed, out.sequences, getattr(out, "speculative", None), (produced - rows) / (elapsed - first)
 
 
+def plain_row(model, inputs, args) -> tuple[float, torch.Tensor, None, float]:
+    """A reference row: ``model``'s plain generate, warmed up, median of ``args.repeats``."""
+    run(model, inputs, 4)
+    samples = [run(model, inputs, args.new_tokens) for _ in range(args.repeats)]
+    return statistics.median(x[0] for x in samples), samples[0][1], None, statistics.median(x[3] for x in samples)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -84,12 +95,15 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=["grounded", "chat"], default=["grounded", "chat"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="also patch with compile=True (packed linears)")
+    parser.add_argument("--native", action="store_true", help="also patch with native=True (the native executor)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model, tok = hf_accel.load_default(torch.float32)
     tok.padding_side = "left"
     assistant = copy.deepcopy(model)
-    hf_accel.patch_model(model, compile=args.compile)
+    forward_only = hf_accel.patch_model(copy.deepcopy(model), compile=args.compile) if args.native else None
+    compile_cfg = hf_accel.CompileConfig(prepack=False) if args.compile and args.native else args.compile
+    hf_accel.patch_model(model, compile=compile_cfg, native=args.native)
     self_spec = SelfSpeculative("int8")
     combo = Composite(PromptLookup(num_tokens=10), self_spec)
     print(
@@ -114,15 +128,10 @@ def main() -> None:
                 methods["Transformers prompt_lookup_num_tokens=10"] = {"prompt_lookup_num_tokens": 10}
                 methods["Transformers assistant_model (copy)"] = {"assistant_model": assistant}
             results = {}
+            if forward_only is not None:
+                results["plain generate, model forward"] = plain_row(forward_only, inputs, args)
             if args.compile:
-                run(assistant, inputs, 4)
-                samples = [run(assistant, inputs, args.new_tokens) for _ in range(args.repeats)]
-                results["plain generate, unpatched"] = (
-                    statistics.median(x[0] for x in samples),
-                    samples[0][1],
-                    None,
-                    statistics.median(x[3] for x in samples),
-                )
+                results["plain generate, unpatched"] = plain_row(assistant, inputs, args)
             run(model, inputs, 4)  # warm-up
             for kwargs in methods.values():
                 # a full-length warm-up: with --compile, chunk widths and batch sizes first met mid-call compile
@@ -143,9 +152,11 @@ def main() -> None:
                 same = "yes" if torch.equal(out, base_out) else "NO"
                 acc = f"{stats['acceptance_rate']:.2f}" if stats else "-"
                 tpf = f"{stats['tokens_per_forward']:.2f}" if stats else "-"
-                vs = f"{rate / base_rate:.2f}x" + (f" ({rate / first_rate:.2f}x unpatched)" if args.compile else "")
+                first_name = "model forward" if args.native else "unpatched"
+                extra = args.compile or args.native
+                vs = f"{rate / base_rate:.2f}x" + (f" ({rate / first_rate:.2f}x {first_name})" if extra else "")
                 vs_decode = f"{decode / base_decode:.2f}x" + (
-                    f" ({decode / first_decode:.2f}x unpatched)" if args.compile else ""
+                    f" ({decode / first_decode:.2f}x {first_name})" if extra else ""
                 )
                 print(
                     f"| {task} | {batch} | {name} | {rate:.1f} | {vs} | {decode:.1f} | {vs_decode} | {same} | {acc} "

@@ -165,3 +165,58 @@ def test_random_interleavings_never_leak_or_double_own(ops, block_size, num_bloc
     m.clear_prefix_cache()
     m.check_invariants()
     assert m.num_free == num_blocks
+
+
+def test_null_prefix_table_publishes_and_matches_nothing():
+    m = BlockManager(num_blocks=4, block_size=2, prefix_cache=False)
+    s = m.new_sequence()
+    m.append_slots(s, 4)
+    assert m.publish(s, [1, 2, 3, 4]) == 0 and m.match_prefix([1, 2, 3, 4]) == []
+    assert m.num_cached == 0 and m.num_evictable == 0 and not m.prefix_cache
+    m.free(s)
+    assert m.num_free == 4  # nothing was held back for a table
+    m.check_invariants()
+
+
+def test_evictable_counter_follows_every_reference_change():
+    m = BlockManager(num_blocks=6, block_size=2)
+    a = m.new_sequence()
+    m.append_slots(a, 4)
+    m.publish(a, [1, 2, 3, 4])
+    assert m.num_evictable == 0  # the sequence still holds both blocks
+    b = m.adopt(m.match_prefix([1, 2, 3, 4, 5]), 4)
+    m.free(a)
+    assert m.num_evictable == 0  # b holds them now
+    m.truncate(b, 2)  # b lets go of the second block: only the table holds it
+    assert m.num_evictable == 1
+    m.free(b)
+    assert m.num_evictable == 2
+    m.check_invariants()
+    c = m.new_sequence()
+    assert m.append_slots(c, 10) is not None  # 5 blocks: 4 free + 1 evicted (least recently used)
+    assert m.num_evictable == 1 and m.num_cached == 1
+    m.check_invariants()
+    m.clear_prefix_cache()
+    assert m.num_evictable == 0 and m.num_cached == 0
+    m.check_invariants()
+
+
+def test_block_table_tensors_are_rebuilt_only_for_rows_that_changed():
+    import torch
+
+    from hf_accel.paged.plan import BlockTables
+
+    m = BlockManager(num_blocks=8, block_size=2)
+    a, b = m.new_sequence(), m.new_sequence()
+    m.append_slots(a, 3)
+    m.append_slots(b, 1)
+    tables = BlockTables(m)
+    first_a, first_b = tables.row(a), tables.row(b)
+    assert torch.equal(tables.of([a, None, b]), torch.tensor([[0, 1], [0, 0], [2, 0]], dtype=torch.int32))
+    m.append_slots(a, 1)  # fills a's second block: its table is unchanged
+    m.append_slots(b, 2)  # b needs a new block
+    assert tables.row(a) is first_a and tables.row(b) is not first_b
+    assert tables.row(b).tolist() == [2, 3]
+    m.free(a)
+    tables.of([b])
+    assert tables.row(b).tolist() == [2, 3]  # and a's cached row is forgotten with its sequence

@@ -22,6 +22,7 @@ from transformers.activations import SiLUActivation
 from ..fused.mlp import FusedGatedMLP
 from ..kernels.ops import Choice, choose, native_builds
 from ..kernels.reference import W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
+from ..kernels.tuning import CPU
 from ..quant.linear import Int8Linear, w8a8_fits
 from .growing import GrowingLayer
 
@@ -40,19 +41,11 @@ __all__ = [
 ]
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-#: From this chunk width (a draft's prompt-lookup guess check) a native int8 draft chunk runs W8A8 where it can (VNNI
-#: build): int8 activations halve W8A16's integer work again there. Narrower chunks (steps, catch-ups) run W8A16, whose
-#: int16 activations keep the int8 weights' own accuracy (a fully W8A8 draft accepted measurably less; one-off timings
-#: in docs/speculative.md)
-W8A8_MIN_WIDTH = 6
-#: From this many activation rows (batch x chunk width) the int8 projections run W8A16 where they can (VNNI build):
-#: one row streams the weights at memory speed either way, and the weight-only kernel skips quantizing it (one-off,
-#: SmolLM2's 30 layers with distinct int8 weights, ms at 1 / 2 / 4 rows: weight-only 4.4 / 6.8 / 7.4, W8A16
-#: 4.8 / 4.9 / 6.4; the head 0.68 / 1.37 / 1.41 against 0.83 / 0.74 / 0.83)
-W8A16_MIN_ROWS = 2
-#: Largest prompt mask (rows x prompt tokens x columns, one byte each) the native layers take (64 MiB: a batch of 4
-#: prompts of 4096 tokens)
-PROMPT_MASK_CELLS = 1 << 26
+#: From this chunk width a native int8 chunk runs W8A8, and from this many activation rows W8A16, where they can
+#: (VNNI build); the largest prompt mask the native layers take (:mod:`hf_accel.kernels.tuning` says why)
+W8A8_MIN_WIDTH = CPU.w8a8_min_width
+W8A16_MIN_ROWS = CPU.w8a16_min_rows
+PROMPT_MASK_CELLS = CPU.prompt_mask_cells
 #: the int8 group-size multiple each build's layers need (their weight-only int8 kernel's lanes)
 _LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8}
 

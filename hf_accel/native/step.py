@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.dispatch import is_tensor_parallel
+from ..kernels.tuning import CPU
 from .layers import (
     PROMPT_MASK_CELLS,
     NativeLayers,
@@ -35,9 +36,7 @@ __all__ = ["LEAN_MODEL_TYPES", "LeanStep"]
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-#: Up to this many rows an int8 head runs the kernel (one-off timing on SmolLM2's 49152x576 head: ~0.45 ms a row,
-#: against ~80 ms to de-quantize the weight for a GEMM)
-_HEAD_KERNEL_ROWS = 128
+_HEAD_KERNEL_ROWS = CPU.int8_head_kernel_rows  # an int8 head runs the kernel up to this many rows
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

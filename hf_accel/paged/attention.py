@@ -31,6 +31,7 @@ from torch import nn
 from ..core.errors import IncompatibleOptionsError
 from ..kernels.ops import Choice, choose
 from ..kernels.reference import dense_attention
+from ..kernels.tuning import CPU
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
 from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer
 from .plan import StepPlan
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 #: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
-DECODE_MAX_QUERY = 16
+DECODE_MAX_QUERY = CPU.paged_kernel_max_query
 #: The native kernel handles blocks of up to this many tokens; larger blocks use the gather path.
 KERNEL_MAX_BLOCK_SIZE = 64
 #: ``forward`` keyword argument carrying a compiled decode step's :class:`~.compiled.DecodePlan` to attention.

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..core.config import Int8Config
 from ..kernels.ops import Choice, choose, op
+from ..kernels.tuning import CPU
 from .core import (
     ACT_BLOCK,
     QuantizedWeight,
@@ -26,9 +27,8 @@ __all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "che
 #: choices as ``Int8Config.activations``.
 ACTIVATIONS = Int8Config.ACTIVATIONS
 
-#: Up to this many activation rows the native GEMV-style kernel runs; above it (prefill) the weight is
-#: de-quantized once per call and MKL's GEMM does the work (compute-bound there, so int8 does not help).
-DECODE_MAX_ROWS = 16
+#: Up to this many activation rows the native kernel runs; above (prefill) the weight is de-quantized once per call
+DECODE_MAX_ROWS = CPU.int8_kernel_max_rows
 
 
 def kernel_choice(activations: str, group_size: int, in_features: int, device: torch.device | str = "cpu") -> Choice:

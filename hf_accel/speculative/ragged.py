@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from ..core.protocols import RowRollback
+from ..kernels.tuning import CPU
 
 __all__ = ["LEAN_MAX_WIDTH", "RaggedCache"]
 
-#: Widest chunk a ``step`` function runs (a draft's one-token steps, its catch-ups of a few tokens and its
-#: checks of prompt-lookup guesses, which are at most a step's draft budget wide).
-LEAN_MAX_WIDTH = 32
+#: Widest chunk a ``step`` function runs (a draft's steps, catch-ups and guess checks)
+LEAN_MAX_WIDTH = CPU.lean_max_width
 
 
 class RaggedCache:
