@@ -66,3 +66,9 @@ def test_compiled_generation_example(default_model, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "hf_accel features: fused_mlp, paged, speculative, compile" in out
     assert "identical: True]" in out and out.count("\n> ") == 2
+
+
+def test_native_decoding_example(default_model, monkeypatch, capsys):
+    _run("native_decoding.py", ["--max-new-tokens", "8", "--batch", "2", "--paged"], monkeypatch)
+    out = capsys.readouterr().out
+    assert "native executor: cpu/" in out and "identical: True]" in out and out.count("\n> ") == 2

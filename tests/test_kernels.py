@@ -152,6 +152,30 @@ def test_decoder_layers_against_reference(fn, int8, width, used, kv_dtype):
         assert torch.equal(a[:, :, :used], b[:, :, :used])  # the columns before the chunk are untouched
 
 
+@pytest.mark.parametrize("fn", _params("decoder_layers_paged"))
+@pytest.mark.parametrize(("int8", "width"), [(False, 1), (True, 3), (False, 16)])
+def test_paged_decoder_layers_against_reference(fn, int8, width):
+    """Over a pool: scattered blocks, a released row (no slots, q_pos -1), a row with a padding query."""
+    args = _decoder_args(int8, width, 9, torch.float32)
+    h, flat, cos, sin = args[0], args[1], args[6], args[7]
+    batch, block, kv_heads, dim = 2, 4, 2, 16
+    pools = [torch.randn(16, block, kv_heads, dim) for _ in range(4)]  # K and V of 2 layers
+    tables = torch.tensor([[7, 2, 9, 0, 5, 11, 13, 15], [1, 3, 4, 6, 8, 10, 12, 14]], dtype=torch.int32)
+    q_pos = (torch.arange(width)[None] + torch.tensor([[9], [5]])).to(torch.int32)  # [B, C]
+    q_pos[1, 0] = -1  # a padding query of row 1
+    slot = lambda row, t: int(tables[row, t // block]) * block + t % block  # noqa: E731
+    slots = torch.tensor([slot(r, int(t)) if t >= 0 else -1 for r in range(batch) for t in q_pos[r]])
+    ref_pools = [p.clone() for p in pools]
+    expected = reference.decoder_layers_paged(
+        h, flat, ref_pools[:2], ref_pools[2:], slots, tables, q_pos, cos, sin, 4, kv_heads, 1e-5, dim**-0.5, 0
+    )
+    got = fn(h, flat, pools[:2], pools[2:], slots, tables, q_pos, cos, sin, 4, kv_heads, 1e-5, dim**-0.5, 0)
+    real = (q_pos >= 0).flatten()
+    assert_close(got[real], expected[real], atol=5e-4, rtol=5e-4, name="paged hidden")
+    for a, b in zip(pools, ref_pools, strict=True):
+        assert_close(a, b, atol=5e-4, rtol=5e-4, name="pools")  # the written slots; every other one untouched
+
+
 # -------------------------------------------------------------------------------------------- (a) choose
 def test_every_op_has_a_reference_and_a_fake():
     for spec in OPS.values():

@@ -79,7 +79,6 @@ def test_other_caches_and_options_run_the_replaced_forward():
     ids, mask = random_batch(2, [4, 8], seed=2)
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, **NO_EOS)
     expected = plain.generate(**kwargs)
-    assert torch.equal(patched.generate(**kwargs, paged=True), expected)
     assert torch.equal(patched.generate(**kwargs, cache_implementation="static"), expected)
     assert patched.forward.calls == 0
     out = patched.generate(**kwargs, output_hidden_states=True, return_dict_in_generate=True)
@@ -167,6 +166,33 @@ def test_speculation_verifies_through_the_same_executor():
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("init", [0.2, 0.02])
+def test_paged_generate_runs_its_decode_steps_natively(arch, init):
+    plain, patched = _pair(arch, init)
+    for seed, lengths in enumerate(([6], [3, 17, 9])):
+        ids, mask = random_batch(len(lengths), lengths, seed=20 + seed)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, **NO_EOS)
+        expected = plain.generate(**kwargs)
+        calls = patched.forward.calls
+        assert torch.equal(patched.generate(**kwargs, paged=True), expected), (arch, init, lengths)
+        assert patched.forward.calls - calls >= 19  # every decode step (a short prompt too)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_decode_steps_run_natively(arch):
+    plain, patched = _pair(arch)
+    prompts = [[5, 6, 7, 8], list(range(10, 40)), [9, 9, 9, 9, 9, 9, 9, 9], [3, 4]]
+    expected = [plain.generate(torch.tensor([p]), max_new_tokens=12, **NO_EOS)[0] for p in prompts]
+    got = patched.generate_many(prompts, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert patched.forward.calls >= 10  # the steps where every request decodes (prompt steps: the model's forward)
+    calls = patched.forward.calls
+    got = patched.generate_many(prompts, max_new_tokens=12, do_sample=False, eos_token_id=None, prompt_lookup=True)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))  # drafts in the packed rows
+    assert patched.forward.calls > calls
+
+
 def test_with_compile_and_paged_each_call_takes_its_own_path():
     cfg = hf_accel.CompileConfig(backend="eager", fullgraph=True, prepack=False)  # packed weights: the executor's not
     plain, patched = _pair("llama", compile=cfg)
@@ -174,5 +200,7 @@ def test_with_compile_and_paged_each_call_takes_its_own_path():
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, **NO_EOS)
     expected = plain.generate(**kwargs)
     assert torch.equal(patched.generate(**kwargs), expected) and patched.forward.calls == 6
+    calls = patched.forward.calls
     assert torch.equal(patched.generate(**kwargs, paged=True), expected)
-    assert patched.forward.inner.steps == 5  # the paged call's decode steps ran the compiled paged step
+    assert patched.forward.calls - calls == 6  # the executor takes the short prompt and the paged decode steps
+    assert patched.forward.inner.steps == 0

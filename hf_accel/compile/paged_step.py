@@ -84,7 +84,7 @@ class CompiledPagedDecode:
         ids = kwargs.get("input_ids")
         if args or not _STEP_KWARGS.issuperset(kwargs):
             return None
-        if not isinstance(cache, PagedCache) or cache.pinned:  # pinned: the engine's packed chunks
+        if not isinstance(cache, PagedCache) or cache.pinned_plan is not None:  # pinned: the engine's packed chunks
             return None
         if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or kwargs.get("use_cache") is False:
             return None

@@ -171,6 +171,13 @@ OPS: dict[str, OpSpec] = {
             "Tensor sin, int heads, int kv_heads, float eps, float scaling, int mode) -> Tensor",
             reference.decoder_layers, _decoder_fake, "decoder_layers", _ALL, _decoder_fit,
         ),
+        OpSpec(
+            "decoder_layers_paged",
+            "(Tensor h, Tensor[] flat, Tensor(a!)[] k_pools, Tensor(b!)[] v_pools, Tensor slots, "
+            "Tensor block_tables, Tensor q_pos, Tensor cos, Tensor sin, int heads, int kv_heads, float eps, "
+            "float scaling, int mode) -> Tensor",
+            reference.decoder_layers_paged, _decoder_fake, "decoder_layers_paged", _ALL, _decoder_fit,
+        ),
     )
 }  # fmt: skip
 

@@ -10,6 +10,8 @@ exact integer dots per group, scaled once: :func:`w8a8_exact` / :func:`w8a16_exa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,7 @@ __all__ = [
     "ACT_LANES",
     "W8A16_MAX_K",
     "decoder_layers",
+    "decoder_layers_paged",
     "dense_attention",
     "dequantize_activations",
     "float_linear",
@@ -270,6 +273,33 @@ def _store(buffer: torch.Tensor, new: torch.Tensor, used: int) -> None:
     buffer[:, :, used : used + new.shape[2]] = new.to(buffer.dtype)
 
 
+def _run_layers(
+    h: torch.Tensor, flat: list[torch.Tensor], layers: int, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+    kv_heads: int, eps: float, mode: int, attend: Any,
+) -> torch.Tensor:  # fmt: skip
+    """Every layer on ``h [M, E]``; ``attend(layer, q [M, H, D], k / v [M, H_kv, D]) -> [M, H * D]`` stores the
+    layer's K/V and attends."""
+    dim = cos.shape[1]
+    x = h.float().clone()  # [M, E]
+    for layer in range(layers):
+        p = dict(zip(LAYER_PARAMS, flat[layer * len(LAYER_PARAMS) : (layer + 1) * len(LAYER_PARAMS)], strict=True))
+        normed = _rms(x, p["ln1"], eps)
+        q = _project(normed, p, "q", mode).view(-1, heads, dim)  # [M, H, D]
+        k = _project(normed, p, "k", mode).view(-1, kv_heads, dim)  # [M, H_kv, D]
+        v = _project(normed, p, "v", mode).view(-1, kv_heads, dim)
+        if p["q_norm"].numel():
+            q, k = _rms(q, p["q_norm"], eps), _rms(k, p["k_norm"], eps)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        x = x + _project(attend(layer, q, k, v), p, "o", mode)
+        normed = _rms(x, p["ln2"], eps)
+        if p["up"].numel():
+            gate, up = _project(normed, p, "gate", mode), _project(normed, p, "up", mode)
+        else:
+            gate, up = _project(normed, p, "gate", mode).chunk(2, dim=-1)
+        x = x + _project(F.silu(gate) * up, p, "down", mode)
+    return x
+
+
 def decoder_layers(
     h: torch.Tensor, flat: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], used: int,
     allowed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
@@ -292,25 +322,34 @@ def decoder_layers(
     """
     batch, width, total = allowed.shape
     dim = cos.shape[1]
-    x = h.float().clone()  # [M, E]
-    for layer in range(len(keys)):
-        p = dict(zip(LAYER_PARAMS, flat[layer * len(LAYER_PARAMS) : (layer + 1) * len(LAYER_PARAMS)], strict=True))
-        normed = _rms(x, p["ln1"], eps)
-        q = _project(normed, p, "q", mode).view(-1, heads, dim)  # [M, H, D]
-        k = _project(normed, p, "k", mode).view(-1, kv_heads, dim)  # [M, H_kv, D]
-        v = _project(normed, p, "v", mode).view(-1, kv_heads, dim)
-        if p["q_norm"].numel():
-            q, k = _rms(q, p["q_norm"], eps), _rms(k, p["k_norm"], eps)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         _store(keys[layer], k.view(batch, width, kv_heads, dim).transpose(1, 2), used)
         _store(values[layer], v.view(batch, width, kv_heads, dim).transpose(1, 2), used)
         queries = q.view(batch, width, heads, dim).transpose(1, 2)  # [B, H, C, D]
         kv = keys[layer][:, :, :total], values[layer][:, :, :total]
-        x = x + _project(_attend(queries, *kv, allowed, scaling).reshape(-1, heads * dim), p, "o", mode)
-        normed = _rms(x, p["ln2"], eps)
-        if p["up"].numel():
-            gate, up = _project(normed, p, "gate", mode), _project(normed, p, "up", mode)
-        else:
-            gate, up = _project(normed, p, "gate", mode).chunk(2, dim=-1)
-        x = x + _project(F.silu(gate) * up, p, "down", mode)
-    return x
+        return _attend(queries, *kv, allowed, scaling).reshape(-1, heads * dim)
+
+    return _run_layers(h, flat, len(keys), cos, sin, heads, kv_heads, eps, mode, attend)
+
+
+def decoder_layers_paged(
+    h: torch.Tensor, flat: list[torch.Tensor], k_pools: list[torch.Tensor], v_pools: list[torch.Tensor],
+    slots: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    heads: int, kv_heads: int, eps: float, scaling: float, mode: int,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`decoder_layers` over a paged pool: token ``m`` of the chunk is stored at ``slots[m]`` (``[B*C]``, -1:
+    not stored) of each layer's ``[NB, BS, H_kv, D]`` pools, and attends through ``block_tables [B, MB]`` with
+    ``q_pos [B, C]`` (-1: a padding query, which gets zeros) as :func:`paged_attention`. Returns ``[B*C, E]``."""
+    batch, width = q_pos.shape
+    dim = cos.shape[1]
+    stored = (slots >= 0).nonzero().flatten()
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for pool, new in ((k_pools[layer], k), (v_pools[layer], v)):
+            pool.view(-1, kv_heads, dim).index_copy_(0, slots[stored], new[stored].to(pool.dtype))
+        queries = q.view(batch, width, heads, dim).transpose(1, 2)  # [B, H, C, D]
+        out = paged_attention(queries, k_pools[layer], v_pools[layer], block_tables, q_pos, scaling, 0, 0.0)
+        return out.reshape(-1, heads * dim)  # [B*C, H*D]
+
+    return _run_layers(h, flat, len(k_pools), cos, sin, heads, kv_heads, eps, mode, attend)

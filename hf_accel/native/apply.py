@@ -27,7 +27,9 @@ from transformers.cache_utils import DynamicLayer
 from ..core.config import NativeConfig
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
+from ..paged.cache import PagedCache
 from .growing import GrowingLayer, to_growing
+from .paged import paged_logits, serves_pool
 from .step import LeanStep
 
 __all__ = ["NativeForward", "apply_native"]
@@ -78,8 +80,7 @@ class NativeForward:
         weights = _fingerprint(model)
         with self._lock:
             if weights != self._weights:
-                step = LeanStep.build(model, kv_dtype=torch.float32)
-                self.step = step if step is not None and step.native is not None else None
+                self.step = LeanStep.exact(model)
                 self._weights = weights
                 if self.step is None:
                     logger.warning("hf_accel: native: the model's weights changed and the executor cannot serve it "
@@ -91,13 +92,8 @@ class NativeForward:
 
     def _runner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DynamicCache, LeanStep] | None:
         """The call's dynamic cache and the executor to run it, or ``None`` (the replaced forward runs it)."""
-        cache, ids = kwargs.get("cache"), kwargs.get("input_ids")
-        if args or not _STEP_KWARGS.issuperset(kwargs) or torch.is_grad_enabled() or type(cache) is not DynamicCache:
-            return None
-        keep = kwargs.get("logits_to_keep", 0)
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or not isinstance(keep, int):
-            return None
-        if kwargs.get("use_cache") is False or kwargs.get("return_dict") is False:
+        cache, keep = kwargs.get("cache"), kwargs.get("logits_to_keep", 0)
+        if not _plain_step(args, kwargs) or type(cache) is not DynamicCache or not isinstance(keep, int):
             return None
         if any(type(layer) not in (DynamicLayer, GrowingLayer) for layer in cache.layers):
             return None  # sliding windows, quantized layers...: Transformers' own
@@ -110,7 +106,26 @@ class NativeForward:
         to_growing(cache)  # in place, same contract: new tokens are written into spare capacity
         return (cache, step) if step.native.serves(cache) else None
 
+    def _paged(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call over hf_accel's paged cache through the executor's paged build (:mod:`.paged`), or ``None``."""
+        cache = kwargs.get("cache")
+        if not isinstance(cache, PagedCache) or not _plain_step(args, kwargs):
+            return None
+        step = self._current()  # the weights may have been replaced since (no sequence start to wait for here)
+        if step is None or not serves_pool(step, cache):
+            return None
+        logits = paged_logits(step, cache, kwargs)
+        if logits is None:
+            return None
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        self.calls += 1
+        return CausalLMOutputWithPast(logits=logits, cache=cache)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        paged = self._paged(args, kwargs)
+        if paged is not None:
+            return paged
         runner = self._runner(args, kwargs)
         if runner is None:
             return self.inner(*args, **kwargs)
@@ -134,6 +149,21 @@ class NativeForward:
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 
+def _plain_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``forward`` call is one the executor may run: keywords it knows, ``[B, C]`` ids, no gradients, the
+    cache used and a model output returned."""
+    ids = kwargs.get("input_ids")
+    return (
+        not args
+        and _STEP_KWARGS.issuperset(kwargs)
+        and not torch.is_grad_enabled()
+        and isinstance(ids, torch.Tensor)
+        and ids.ndim == 2
+        and kwargs.get("use_cache") is not False
+        and kwargs.get("return_dict") is not False
+    )
+
+
 def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, recorder: Recorder) -> None:
     """Bind :class:`NativeForward` as ``model.forward`` where the executor serves the model; else note why (and warn).
 
@@ -142,10 +172,10 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
     """
     del parts
     why = LeanStep.unsupported(model)
-    step = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
-    if step is not None and step.native is None:
-        why = step.why_not_native
-    if step is None or step.native is None:
+    built = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
+    why = why or (built.why_not_native if built is not None else None)
+    step = LeanStep.exact(model) if why is None else None
+    if step is None:
         recorder.note(FEATURE, f"executor not used: {why}")
         recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")
         name = type(model).__name__

@@ -37,6 +37,7 @@ __all__ = [
     "has_hooks",
     "is_rms_norm",
     "layers_choice",
+    "paged_layers",
     "weight_only_native",
 ]
 
@@ -136,6 +137,8 @@ class NativeLayers:
         self, choice: Choice, params: list[list[torch.Tensor]], eps: float, scaling: float, kv: tuple[int, int, int]
     ) -> None:
         self.choice, self.eps, self.scaling = choice, eps, scaling
+        #: the same build's layers over a paged pool (``None`` where that build lacks them)
+        self.paged_fn = native_builds("decoder_layers_paged").get(choice.impl.removeprefix("cpu/"))
         self.flat = [t for layer in params for t in layer]  # LAYER_PARAMS tensors per layer
         self.num_layers = len(params)
         self.heads, self.kv_heads, self.head_dim = kv
@@ -242,6 +245,22 @@ class NativeLayers:
         for layer in cache.layers:
             layer.commit(used + width)
         return out.view(batch, width, hidden)
+
+
+def paged_layers(
+    native: NativeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: Any, plan: Any, mode: int
+) -> torch.Tensor:
+    """Every layer of ``native`` on ``h [B, C, E]`` over a paged pool: ``pools`` the cache's layers (``keys`` /
+    ``values`` ``[NB, BS, H_kv, D]`` float32), ``plan`` ``(slots [B*C] int64, block_tables [B, MB] int32, q_pos [B, C]
+    int32)`` from the cache (copy-on-write copies already done). ``cos / sin [B, C, D]``. Returns ``[B, C, E]``."""
+    batch, width, hidden = h.shape
+    slots, tables, q_pos = plan
+    out = native.paged_fn(
+        h.reshape(batch * width, hidden), native.flat, [p.keys for p in pools], [p.values for p in pools], slots,
+        tables, q_pos, cos.reshape(batch * width, -1), sin.reshape(batch * width, -1), native.heads, native.kv_heads,
+        native.eps, native.scaling, mode,
+    )  # fmt: skip
+    return out.view(batch, width, hidden)
 
 
 def _kind(module: Any) -> str:

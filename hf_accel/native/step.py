@@ -28,6 +28,7 @@ from .layers import (
     NativeLayers,
     has_hooks,
     is_rms_norm,
+    paged_layers,
     weight_only_native,
 )
 
@@ -118,6 +119,17 @@ class LeanStep:
         return None
 
     @staticmethod
+    def exact(model: nn.Module) -> LeanStep | None:
+        """A step that runs ``model``'s own maths (float32 K/V; int8 projections weight-only, as its ``Int8Linear``
+        layers compute them, never W8A16 / W8A8): a target's, or the ``native`` feature's plain decoding. ``None``
+        where no native layers apply (:meth:`unsupported` / :attr:`why_not_native` say why)."""
+        step = LeanStep.build(model, kv_dtype=torch.float32)
+        if step is None or step.native is None:
+            return None
+        step.native.w8a16 = step.native.w8a8 = False
+        return step
+
+    @staticmethod
     def build(model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16) -> LeanStep | None:
         """A lean step for ``model``, or ``None`` where it does not apply (:meth:`unsupported` says why; the model's
         own forward then runs).
@@ -186,6 +198,20 @@ class LeanStep:
             return _rms_norm(self.norm, h)  # [B, C or last, E]
         kernel = None if mode is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
         return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C or last, V]
+
+    def paged_hidden(self, ids: torch.Tensor, positions: torch.Tensor, pools: Any, plan: Any) -> tuple[Any, int]:
+        """A chunk's last hidden states over a paged pool, before the final norm: ``ids`` / ``positions`` ``[B, C]``,
+        ``pools`` the cache's layers, ``plan`` ``(slots, block_tables, q_pos)`` (:func:`~.layers.paged_layers`; the
+        caller checked :attr:`NativeLayers.paged_fn` and the pool). Returns ``([B, C, E], the int8 mode it ran)``."""
+        h = self.embed(ids)  # [B, C, E]
+        cos, sin = self.rotary(h, position_ids=positions.clamp_min(0))  # each [B, C, D]
+        mode = self.native.mode(ids.numel(), ids.shape[1])
+        return paged_layers(self.native, h, cos, sin, pools, plan, mode), mode
+
+    def logits(self, h: torch.Tensor, mode: int) -> torch.Tensor:
+        """The final norm and the LM head on hidden states ``[B, C, E]`` from a chunk run with ``mode``."""
+        kernel = None if self.native is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
+        return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C, V]
 
     def _layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any

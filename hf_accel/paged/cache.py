@@ -104,8 +104,8 @@ class PagedCache(Cache, RowRollback):
         return self.num_blocks * self.block_size
 
     @property
-    def pinned(self) -> bool:  # whether the next forward runs the Engine's packed plan (pin_packed)
-        return self._pinned is not None
+    def pinned_plan(self) -> StepPlan | None:  # the Engine's packed plan of the next forward (pin_packed), or None
+        return self._pinned
 
     def belongs_to(self, model: nn.Module) -> bool:
         """Whether this cache was built for ``model`` (a weak reference: never confused with a later object)."""

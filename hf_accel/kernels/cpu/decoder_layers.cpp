@@ -457,38 +457,28 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
 
 namespace hf_accel::cpu {
 
-// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
-// int8 projections run (Mode; other than weight-only in the VNNI build only). `flat`: kParams tensors per layer.
-// keys / values: per layer [B, H_kv, cap, D] contiguous buffers (float32, or float16: saturated at +-65504) holding
-// `used` columns; the chunk's C columns are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
-torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat,
-                     const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values, int64_t used,
-                     torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads,
-                     double eps, double scaling, int64_t mode) {
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                              torch::Tensor q_pos, double scale, int64_t window, double softcap);
+
+namespace {
+
+// Every layer on the residual stream x [M, E] (rows b-major). `attend(l, q, k, v, attn)` stores layer l's new K/V
+// (q [M, H*D], k / v [M, H_kv*D], rotated) and fills attn [M, H*D] with the attention output.
+template <typename Attend>
+torch::Tensor run_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat, size_t layers, const torch::Tensor& cs,
+                         const torch::Tensor& sn, int64_t heads, int64_t kv_heads, double eps, int64_t mode,
+                         const Attend& attend) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "lean layers: h must be [M, E] float32");
   TORCH_CHECK(mode == kWeightOnly || (kVnni && (mode == kW8A16 || mode == kW8A8)),
               "lean layers: mode ", mode, " is not available in this build");
-  TORCH_CHECK(allowed.dim() == 3 && allowed.scalar_type() == torch::kBool, "lean layers: allowed must be [B, C, T]");
-  TORCH_CHECK(flat.size() == keys.size() * kParams && keys.size() == values.size(),
-              "lean layers: ", kParams, " parameters and one K/V buffer pair per layer");
-  const int64_t B = allowed.size(0), C = allowed.size(1), T = allowed.size(2), M = h.size(0), E = h.size(1);
-  TORCH_CHECK(M == B * C && T == used + C, "lean layers: shapes of h, allowed and used disagree");
-  auto x = h.contiguous().clone();  // [M, E] the residual stream
-  auto mask = allowed.contiguous();
-  auto cs = cos.contiguous(), sn = sin.contiguous();
+  TORCH_CHECK(flat.size() == layers * kParams, "lean layers: ", kParams, " parameters per layer");
+  const int64_t M = h.size(0), E = h.size(1), D = cs.size(1);
   TORCH_CHECK(cs.dim() == 2 && cs.size(0) == M && sn.sizes() == cs.sizes(), "lean layers: cos / sin must be [M, D]");
-  const int64_t D = cs.size(1);
+  auto x = h.contiguous().clone();  // [M, E] the residual stream
   auto normed = torch::empty_like(x);
   auto attn = torch::empty({M, heads * D}, x.options());
-  const auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
-  for (size_t l = 0; l < keys.size(); ++l) {
+  for (size_t l = 0; l < layers; ++l) {
     const std::vector<torch::Tensor> p(flat.begin() + l * kParams, flat.begin() + (l + 1) * kParams);
-    const auto& kb = keys[l];
-    const auto& vb = values[l];
-    TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.dim() == 4 && kb.size(0) == B &&
-                    kb.size(1) == kv_heads && kb.size(3) == D && kb.size(2) >= T && vb.sizes() == kb.sizes(),
-                "lean layers: layer ", l, ": bad K/V buffer");
-    const int64_t cap = kb.size(2);
     rms_norm(x.data_ptr<float>(), p[kLn1].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     auto q = project(normed, p, kQ, mode).contiguous();  // [M, H*D]
     auto k = project(normed, p, kK, mode).contiguous();  // [M, H_kv*D]
@@ -499,15 +489,7 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& 
     }
     rotate(q.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, heads, D);
     rotate(k.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, kv_heads, D);
-    const bool half = kb.scalar_type() == torch::kHalf;
-    TORCH_CHECK((half || kb.scalar_type() == torch::kFloat) && vb.scalar_type() == kb.scalar_type(),
-                "lean layers: layer ", l, ": K/V buffers must both be float32 or both float16");
-    if (half)
-      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, wide, attn, B, C, T, used, cap,
-                       heads, kv_heads, D, static_cast<float>(scaling));
-    else
-      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, wide, attn, B, C, T, used, cap,
-                       heads, kv_heads, D, static_cast<float>(scaling));
+    attend(l, q, k, v, attn);
     x.add_(project(attn, p, kO, mode));
     rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
@@ -528,8 +510,85 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& 
   return x;
 }
 
+}  // namespace
+
+// h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
+// int8 projections run (Mode; other than weight-only in the VNNI build only). `flat`: kParams tensors per layer.
+// keys / values: per layer [B, H_kv, cap, D] contiguous buffers (float32, or float16: saturated at +-65504) holding
+// `used` columns; the chunk's C columns are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
+torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat,
+                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                             int64_t used, torch::Tensor allowed, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+                             int64_t kv_heads, double eps, double scaling, int64_t mode) {
+  TORCH_CHECK(allowed.dim() == 3 && allowed.scalar_type() == torch::kBool, "lean layers: allowed must be [B, C, T]");
+  TORCH_CHECK(keys.size() == values.size(), "lean layers: one K/V buffer pair per layer");
+  const int64_t B = allowed.size(0), C = allowed.size(1), T = allowed.size(2);
+  TORCH_CHECK(h.size(0) == B * C && T == used + C, "lean layers: shapes of h, allowed and used disagree");
+  const auto mask = allowed.contiguous();
+  const auto cs = cos.contiguous(), sn = sin.contiguous();
+  const int64_t D = cs.size(1);
+  const auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
+  const float scale = static_cast<float>(scaling);
+  auto attend = [&](size_t l, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    torch::Tensor& attn) {
+    const auto& kb = keys[l];
+    const auto& vb = values[l];
+    TORCH_CHECK(kb.is_contiguous() && vb.is_contiguous() && kb.dim() == 4 && kb.size(0) == B &&
+                    kb.size(1) == kv_heads && kb.size(3) == D && kb.size(2) >= T && vb.sizes() == kb.sizes(),
+                "lean layers: layer ", l, ": bad K/V buffer");
+    const int64_t cap = kb.size(2);
+    const bool half = kb.scalar_type() == torch::kHalf;
+    TORCH_CHECK((half || kb.scalar_type() == torch::kFloat) && vb.scalar_type() == kb.scalar_type(),
+                "lean layers: layer ", l, ": K/V buffers must both be float32 or both float16");
+    if (half)
+      write_and_attend(q, k, v, kb.data_ptr<at::Half>(), vb.data_ptr<at::Half>(), mask, wide, attn, B, C, T, used, cap,
+                       heads, kv_heads, D, scale);
+    else
+      write_and_attend(q, k, v, kb.data_ptr<float>(), vb.data_ptr<float>(), mask, wide, attn, B, C, T, used, cap,
+                       heads, kv_heads, D, scale);
+  };
+  return run_layers(h, flat, keys.size(), cs, sn, heads, kv_heads, eps, mode, attend);
+}
+
+// As decoder_layers, over a paged pool: per layer k_pools / v_pools [NB, BS, H_kv, D] float32; the chunk's token m is
+// stored at slot slots[m] ([B*C] int64, -1: not stored); attention through block_tables [B, MB] int32 with q_pos
+// [B, C] int32 (each query's index in its sequence; -1: a padding query, which gets zeros). Copy-on-write block copies
+// are the caller's, before the call.
+torch::Tensor decoder_layers_paged(torch::Tensor h, const std::vector<torch::Tensor>& flat,
+                                   const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                   torch::Tensor slots, torch::Tensor block_tables, torch::Tensor q_pos,
+                                   torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, double eps,
+                                   double scaling, int64_t mode) {
+  TORCH_CHECK(k_pools.size() == v_pools.size(), "paged lean layers: one K/V pool pair per layer");
+  TORCH_CHECK(q_pos.dim() == 2 && q_pos.scalar_type() == torch::kInt && slots.scalar_type() == torch::kLong,
+              "paged lean layers: q_pos must be [B, C] int32 and slots int64");
+  const int64_t B = q_pos.size(0), C = q_pos.size(1);
+  TORCH_CHECK(h.size(0) == B * C && slots.numel() == B * C, "paged lean layers: shapes of h, q_pos and slots disagree");
+  const auto cs = cos.contiguous(), sn = sin.contiguous();
+  const int64_t D = cs.size(1);
+  const auto stored = slots.ge(0).nonzero().flatten();  // rows of the chunk that are stored
+  const auto targets = slots.index_select(0, stored);  // their slots
+  const bool all = stored.numel() == B * C;
+  auto attend = [&](size_t l, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    torch::Tensor& attn) {
+    const auto& kp = k_pools[l];
+    const auto& vp = v_pools[l];
+    TORCH_CHECK(kp.is_contiguous() && vp.is_contiguous() && kp.dim() == 4 && kp.size(2) == kv_heads &&
+                    kp.size(3) == D && kp.scalar_type() == torch::kFloat && vp.sizes() == kp.sizes() &&
+                    vp.scalar_type() == torch::kFloat,
+                "paged lean layers: layer ", l, ": pools must be contiguous float32 [NB, BS, H_kv, D]");
+    const auto flat_k = kp.view({-1, kv_heads * D}), flat_v = vp.view({-1, kv_heads * D});
+    flat_k.index_copy_(0, targets, all ? k : k.index_select(0, stored));
+    flat_v.index_copy_(0, targets, all ? v : v.index_select(0, stored));
+    const auto queries = q.view({B, C, heads, D}).permute({0, 2, 1, 3});  // [B, H, C, D] strided
+    attn.copy_(paged_attention(queries, kp, vp, block_tables, q_pos, scaling, 0, 0.0).view({B * C, heads * D}));
+  };
+  return run_layers(h, flat, k_pools.size(), cs, sn, heads, kv_heads, eps, mode, attend);
+}
+
 void register_decoder_layers(pybind11::module_& m) {
   m.def("decoder_layers", &decoder_layers, "Llama-family decoder layers over a chunk (int8 or float weights)");
+  m.def("decoder_layers_paged", &decoder_layers_paged, "the same layers over a paged K/V pool (float32)");
   m.def("float_linear", &float_linear, "x @ W^T of a narrow chunk, W float32 [N, K] read in place (float projections)");
   m.def("float_linear_fits", &dot_fits, "whether float_linear takes (x, weight)");
   m.def("vnni", []() { return kVnni; }, "whether this build can run the int8 projections as W8A16 / W8A8");
