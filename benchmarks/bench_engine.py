@@ -3,6 +3,7 @@
 
     python benchmarks/bench_engine.py [--requests 32] [--min-prompt 20] [--max-prompt 1000]
                                       [--min-new 16] [--max-new 256] [--max-running 32] [--skip-hf] [--compile]
+                                      [--native]
 
 Workload: ``--requests`` requests, prompt lengths spread evenly over ``min..max-prompt`` tokens (slices of a real
 English text), output lengths over ``min..max-new`` tokens (EOS disabled, so every method generates exactly the
@@ -11,7 +12,8 @@ requested tokens), in shuffled order, all submitted at once. Methods, in this on
 (a) padded-batch ``generate`` in batches of 8 (arrival order): a batch runs until its longest request is done;
 (b) Transformers' continuous batching (``init_continuous_batching`` manager, per-request ``max_new_tokens``);
 (c) sequential ``generate``, one request at a time;
-(d) ``hf_accel.Engine`` on the patched model (with ``--compile``, also on a ``compile=True`` patch).
+(d) ``hf_accel.Engine`` on the patched model (with ``--compile`` / ``--native``, also on a ``compile=True`` /
+    ``native=True`` patch).
 
 Throughput counts only the requested output tokens. Latency: time to first token and time per output token
 (p50/p90 over requests; for (a) and (c) a request's clock starts when the whole workload is submitted, like (b)
@@ -176,6 +178,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="skip Transformers' continuous batching")
     parser.add_argument("--skip-sequential", action="store_true")
     parser.add_argument("--compile", action="store_true", help="also run the Engine on a compile=True patch")
+    parser.add_argument("--native", action="store_true", help="also run the Engine on a native=True patch")
     args = parser.parse_args()
 
     model, tok = hf_accel.load_default(torch.float32)
@@ -202,10 +205,15 @@ def main() -> None:
         row, seq_outs = run_sequential(baseline_model, work)
         rows.append(row)
         print(row, flush=True)
-    if args.compile:  # the Engine on pre-packed linears (docs/compile.md); the default Engine row stays last
-        hf_accel.patch_model(model, compile=True)
-        row, _, _ = run_engine(model, work, args)
-        row["method"] = "hf_accel Engine + compile=True"
+    extra = {"compile": True} if args.compile else {}
+    if args.native:  # decode-only steps through the native executor (docs/native.md)
+        extra["native"] = True
+    for name, value in extra.items():  # each on its own patch; the default Engine row stays last
+        hf_accel.patch_model(model, **{name: value})
+        row, extra_outs, _ = run_engine(model, work, args)
+        row["method"] = f"hf_accel Engine + {name}=True"
+        if seq_outs is not None:
+            row["method"] += f" ({sum(a == b for a, b in zip(extra_outs, seq_outs, strict=True))} identical)"
         rows.append(row)
         print(row, flush=True)
         hf_accel.unpatch_model(model)
@@ -214,6 +222,11 @@ def main() -> None:
     rows.append(row)
     print(row, flush=True)
     same = None if seq_outs is None else sum(a == b for a, b in zip(outs, seq_outs, strict=True))
+    print_table(rows, engine, same, len(outs))
+
+
+def print_table(rows: list[dict], engine: Engine, same: int | None, total: int) -> None:
+    """The Markdown table (speed-ups against the last row, the default Engine) and the Engine's counters."""
     print()
     print("| method | wall s | output tok/s | Engine speed-up | TTFT p50 / p90 s | TPOT p50 / p90 ms |")
     print("|---|---|---|---|---|---|")
@@ -227,7 +240,7 @@ def main() -> None:
         f"preemptions, peak pool {engine.cache.peak_blocks_used}/{engine.cache.num_blocks} blocks"
     )
     if same is not None:
-        print(f"greedy outputs identical to sequential generate: {same}/{len(outs)}")
+        print(f"greedy outputs identical to sequential generate: {same}/{total}")
 
 
 if __name__ == "__main__":

@@ -47,3 +47,19 @@ def test_implementations_are_forgotten_on_unpatch():
     state = vars(model)[STATE_ATTR]
     hf_accel.unpatch_model(model)
     assert state.recorder.choices == {}
+
+
+def test_every_feature_with_a_kernel_reports_its_implementation():
+    model = hf_accel.patch_model(tiny_model("llama"), compile=hf_accel.CompileConfig(backend="eager"))
+    report = hf_accel.patch_report(model)["implementations"]
+    paged = report["paged"]["paged_attention"]
+    assert set(paged) == {"uses", "why", "not"} and paged["uses"] in (
+        "cpu/avx512vnni",
+        "cpu/avx512",
+        "cpu/avx2",
+        "gather",
+    )
+    assert report["compile"]["panel_linear"]["uses"] in ("cpu/avx512vnni", "cpu/avx512", "oneDNN packed GEMM")
+    odd = hf_accel.patch_model(tiny_model("llama", head_dim=12), paged=hf_accel.PagedConfig(attention="kernel"))
+    refused = hf_accel.patch_report(odd)["implementations"]["paged"]["paged_attention"]
+    assert refused["uses"] == "refused" and "head_dim 12 is not a multiple of 8" in refused["why"]

@@ -32,7 +32,7 @@ from ..core.errors import FeatureNotAvailableError, IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from ..fused.mlp import FusedGatedMLP
-from ..fused.packed import PackedLinear, define_compiled_op, packing_unavailable, unpack_linears
+from ..fused.packed import PackedLinear, define_compiled_op, packing_unavailable, panel_choice, unpack_linears
 from ..paged.layer import uses_paged_attention
 from ..paged.step_op import define_paged_op
 from .paged_step import CompiledPagedDecode
@@ -72,6 +72,9 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
         recorder.note(FEATURE, f"linears not packed: {why}")
         logger.info("hf_accel: compile: linear weights not packed (%s)", why)
         return
+    panel = panel_choice(targets[0][1].weight)
+    recorder.choose(FEATURE, "panel_linear", panel.impl if panel.native else "oneDNN packed GEMM", panel.why,
+                    panel.rejected)  # fmt: skip
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # an Int8Embedding has none
     aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
     for name, linear in targets:

@@ -16,9 +16,10 @@ from ..core.config import PagedConfig
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
-from .attention import register, unpaged_name
+from .attention import attention_choice, register, unpaged_name
 from .cache import PagedCache
 from .layer import PAGED_ATTENTION_PREFIX, uses_paged_attention
+from .pool import pool_spec
 from .runner import run_paged
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder:
     if base.startswith(PAGED_ATTENTION_PREFIX):
         raise IncompatibleOptionsError(f"the model already uses hf_accel's paged attention ({base!r})")
     name = register(base)
+    _report_attention(model, cfg, recorder)
 
     def switch() -> None:
         config._attn_implementation = name
@@ -53,6 +55,18 @@ def plain_paged(copy: nn.Module) -> None:
     impl = getattr(copy.config, "_attn_implementation", None) or ""
     if impl.startswith(PAGED_ATTENTION_PREFIX):
         copy.config._attn_implementation = unpaged_name(impl.split(":", 1)[1])
+
+
+def _report_attention(model: nn.Module, cfg: PagedConfig, recorder: Recorder) -> None:
+    """Say in ``patch_report`` how decode-sized chunks will attend over this model's pools (each cache decides the
+    same way for its layers' devices: :func:`~.attention.attention_choice`)."""
+    try:
+        spec = pool_spec(model, cfg.block_size, 1, None)
+        choice = attention_choice(cfg.attention, spec.devices[0], spec.dtype, cfg.block_size, spec.head_dim)
+    except IncompatibleOptionsError as err:  # e.g. attention='kernel' where it cannot run: a cache will refuse it
+        recorder.choose("paged", "paged_attention", "refused", str(err))
+        return
+    recorder.choose("paged", "paged_attention", choice.impl, choice.why, choice.rejected)
 
 
 def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
