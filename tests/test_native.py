@@ -193,6 +193,21 @@ def test_engine_decode_steps_run_natively(arch):
     assert patched.forward.calls > calls
 
 
+@pytest.mark.parametrize("init", [0.2, 0.02])
+def test_paged_speculation_verifies_through_the_paged_executor(init):
+    """Prompt lookup over the paged cache: the greedy verification's hidden states (the screened head's input) and
+    the plain steps come from the executor's paged build; tokens identical to the unpatched model's."""
+    from hf_accel.speculative import PromptLookup
+
+    plain, patched = _pair("llama", init)
+    ids, mask = random_batch(2, [12, 7], seed=31)
+    ids[0, :] = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6])  # something to copy
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, **NO_EOS)
+    expected = plain.generate(**kwargs)
+    got = patched.generate(**kwargs, paged=True, speculative=PromptLookup(num_tokens=4))
+    assert torch.equal(got, expected) and patched.forward.calls > 0
+
+
 def test_with_compile_and_paged_each_call_takes_its_own_path():
     cfg = hf_accel.CompileConfig(backend="eager", fullgraph=True, prepack=False)  # packed weights: the executor's not
     plain, patched = _pair("llama", compile=cfg)

@@ -29,7 +29,7 @@ from ..core.recorder import Recorder
 from ..core.registry import ModelParts
 from ..paged.cache import PagedCache
 from .growing import GrowingLayer, to_growing
-from .paged import paged_logits, serves_pool
+from .paged import paged_hidden, paged_logits, serves_pool
 from .step import LeanStep
 
 __all__ = ["NativeForward", "apply_native"]
@@ -105,6 +105,20 @@ class NativeForward:
             return None
         to_growing(cache)  # in place, same contract: new tokens are written into spare capacity
         return (cache, step) if step.native.serves(cache) else None
+
+    def hidden_states(self, **kwargs: Any) -> torch.Tensor | None:
+        """What ``model.model(**kwargs).last_hidden_state`` returns, through the executor's paged build, for a
+        decode-sized chunk over hf_accel's paged cache (a speculative target verifying through its screened head);
+        ``None`` where it does not take the call."""
+        cache = kwargs.get("cache")
+        if not isinstance(cache, PagedCache) or not _plain_step((), kwargs):
+            return None
+        step = self._current()
+        if step is None or not serves_pool(step, cache):
+            return None
+        states = paged_hidden(step, cache, kwargs)
+        self.calls += states is not None
+        return states
 
     def _paged(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call over hf_accel's paged cache through the executor's paged build (:mod:`.paged`), or ``None``."""

@@ -17,7 +17,7 @@ from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PagedCache
 from .step import LeanStep
 
-__all__ = ["paged_logits", "serves_pool"]
+__all__ = ["paged_hidden", "paged_logits", "serves_pool"]
 
 
 def serves_pool(step: LeanStep, cache: PagedCache) -> bool:
@@ -43,6 +43,26 @@ def paged_logits(step: LeanStep, cache: PagedCache, kwargs: dict[str, Any]) -> t
     ids, keep = kwargs["input_ids"], kwargs.get("logits_to_keep", 0)
     if cache.pinned_plan is not None:
         return _packed(step, cache, ids, kwargs.get("position_ids"), keep)
+    run = _chunk(step, cache, kwargs)
+    if run is None:
+        return None
+    h, mode = run
+    return step.logits(h[:, -keep:] if keep else h, mode)
+
+
+def paged_hidden(step: LeanStep, cache: PagedCache, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The final hidden states ``[B, C, E]`` (after the model's last norm) of a decode-sized chunk over ``cache``, as
+    ``model.model`` returns them (a speculative target verifying through its screened head), or ``None``."""
+    if cache.pinned_plan is not None:
+        return None
+    run = _chunk(step, cache, kwargs)
+    return None if run is None else step.final_norm(run[0])
+
+
+def _chunk(step: LeanStep, cache: PagedCache, kwargs: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+    """A decode-sized ``[B, W]`` chunk's last hidden states through the executor (planned by the cache), or
+    ``None``."""
+    ids, keep = kwargs["input_ids"], kwargs.get("logits_to_keep", 0)
     batch, width = ids.shape
     if width > DECODE_MAX_QUERY or not isinstance(keep, int):
         return None  # prompts attend densely per row on the model's own paged path
@@ -53,8 +73,7 @@ def paged_logits(step: LeanStep, cache: PagedCache, kwargs: dict[str, Any]) -> t
     mask = kwargs.get("attention_mask")
     padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
     plan = cache.decode_plan(batch, padding, width)  # slots allocated, copy-on-write copies done
-    h, mode = step.paged_hidden(ids, positions, cache.layers, plan)  # [B, W, E]
-    return step.logits(h[:, -keep:] if keep else h, mode)
+    return step.paged_hidden(ids, positions, cache.layers, plan)  # [B, W, E], the int8 mode it ran
 
 
 def _packed(

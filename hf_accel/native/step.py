@@ -208,6 +208,10 @@ class LeanStep:
         mode = self.native.mode(ids.numel(), ids.shape[1])
         return paged_layers(self.native, h, cos, sin, pools, plan, mode), mode
 
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's last norm on hidden states ``[..., E]`` (what ``model.model`` returns)."""
+        return _rms_norm(self.norm, h)
+
     def logits(self, h: torch.Tensor, mode: int) -> torch.Tensor:
         """The final norm and the LM head on hidden states ``[B, C, E]`` from a chunk run with ``mode``."""
         kernel = None if self.native is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])

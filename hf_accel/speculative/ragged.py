@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core.protocols import RowRollback
 from ..kernels.tuning import CPU
+from ..native.apply import NativeForward
 
 __all__ = ["LEAN_MAX_WIDTH", "RaggedCache"]
 
@@ -92,10 +93,8 @@ class RaggedCache:
             self.mask = mask
             return out
         if hidden:
-            base = self.model.model  # the decoder without the LM head
-            out = base(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
+            states = self._hidden(ids, mask, pos)  # [B, C, E]
             self.mask = mask
-            states = out.last_hidden_state  # [B, C, E]
             return states[:, -last:] if last else states
         out = self.model(
             input_ids=ids,
@@ -107,6 +106,17 @@ class RaggedCache:
         )
         self.mask = mask
         return out.logits
+
+    def _hidden(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The decoder's final hidden states of a chunk: through the native feature's paged executor where it takes
+        the chunk (the paged cache), else ``model.model`` (the decoder without the LM head)."""
+        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
+        forward = vars(self.model).get("forward")
+        if isinstance(forward, NativeForward) and self.paged:
+            states = forward.hidden_states(**kwargs)
+            if states is not None:
+                return states
+        return self.model.model(**kwargs).last_hidden_state
 
     def _steps(self, width: int, prefix: bool) -> bool:
         """Whether ``step`` runs a chunk: up to ``LEAN_MAX_WIDTH`` tokens, or a prompt where the step takes one."""
