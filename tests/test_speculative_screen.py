@@ -247,3 +247,24 @@ def test_screen_and_native_target_chunks_stay_off_under_tensor_parallelism():
     model._tp_size = 2
     assert is_tensor_parallel(model)
     assert head_screen(model) is None and target.target_step(model) is None and LeanStep.build(model) is None
+
+
+def test_the_loop_says_how_it_verified_and_why():
+    """Which head verified and what ran the target's chunks are in the call's stats, with the reason for a fallback."""
+    patched = hf_accel.patch_model(tiny_model("llama"))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    kwargs = dict(max_new_tokens=6, return_dict_in_generate=True)
+    out = patched.generate(ids, prompt_lookup=True, do_sample=False, **kwargs)
+    if cpu_build("avx512vnni") is not None:
+        assert out.speculative["head"] == "int8 screen"
+    assert out.speculative["target"].startswith("native executor (cpu/")
+    sampled = patched.generate(ids, prompt_lookup=True, do_sample=True, **kwargs)
+    assert (
+        sampled.speculative["head"] == "float head: the call samples, has logits processors, or returns scores / logits"
+    )
+    paged = patched.generate(ids, prompt_lookup=True, paged=True, do_sample=False, **kwargs)
+    assert paged.speculative["target"] == "paged cache"
+    gemma = hf_accel.patch_model(tiny_model("gemma"))
+    out = gemma.generate(ids, prompt_lookup=True, do_sample=False, **kwargs)
+    assert out.speculative["head"].startswith("float head: model_type 'gemma'")
+    assert out.speculative["target"] == "model forward: model_type 'gemma' is not one of llama, mistral, qwen2, qwen3"

@@ -34,7 +34,7 @@ from .ragged import RaggedCache
 from .rows import Rows, check_cache, row_independent, scoreless, widen
 from .screen import HeadScreen
 from .strategies import Proposal, Strategy
-from .target import head_screen, target_step
+from .target import head_screen, screen_obstacle, target_obstacle, target_step
 from .verify import Verdict, verify_greedy, verify_sampling
 
 __all__ = ["make_custom_generate"]
@@ -68,14 +68,20 @@ class _Loop:
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
         #: greedy argmax through the int8-screened head where nothing needs the scores (:mod:`.screen`)
         self.screen: HeadScreen | None = None
-        if (
-            strategy.screen_head
-            and not self.sampling
-            and not self.processors
-            and not (self.want_scores or self.want_logits)
-            and all(scoreless(c) for c in stopping)
-        ):
+        why = self._screen_obstacle(model)
+        if why is None:
             self.screen = head_screen(model)
+        self.stats.head = "int8 screen" if self.screen is not None else f"float head: {why}"
+
+    def _screen_obstacle(self, model: nn.Module) -> str | None:
+        """Why this call's greedy verification cannot use the screened head (``None``: it can)."""
+        if not self.strategy.screen_head:
+            return "the strategy's screen_head is off"
+        if self.sampling or self.processors or self.want_scores or self.want_logits:
+            return "the call samples, has logits processors, or returns scores / logits"
+        if not all(scoreless(c) for c in self.stopping):
+            return "a stopping criterion reads the scores"
+        return screen_obstacle(model)
 
     # ----------------------------------------------------------------------------------- scoring
     def _process(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -119,6 +125,12 @@ class _Loop:
             step = target_step(self.model)
             if step is not None and not step.native.serves(cache):
                 step = None  # e.g. sliding-window layers: the model's own forward runs every chunk
+            why = target_obstacle(self.model) if step is None else None
+            self.stats.target = f"native executor ({step.native.choice.impl})" if step else f"model forward: {why}"
+        else:
+            self.stats.target = (
+                "paged cache" if isinstance(cache, RowRollback) else f"model forward: {type(cache).__name__}"
+            )
         rows = Rows(input_ids, mask, cfg.max_length)
         self.rows = rows
         self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(len(rows.done))}

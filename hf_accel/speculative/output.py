@@ -35,6 +35,9 @@ class SpeculativeStats:
         plain_steps: steps the :class:`~.policy.SpeculationPolicy` ran without drafts although some row had
             (or could have had) a proposal, because the drafts were not expected to pay for the wider forward.
         draft_s / verify_s: seconds spent proposing, and in target forwards plus verification.
+        head: how greedy verification scored: ``"int8 screen"``, or ``"float head: <why not the screen>"``.
+        target: what ran the target's chunks over Transformers' cache: ``"native executor (cpu/<isa>)"``, or
+            ``"model forward: <why>"`` (over the paged cache: its own fast paths, ``"paged cache"``).
     """
 
     strategy: str
@@ -46,6 +49,8 @@ class SpeculativeStats:
     plain_steps: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    head: str = ""
+    target: str = ""
 
     @property
     def acceptance_rate(self) -> float:

@@ -17,7 +17,7 @@ from ..native.layers import has_hooks
 from ..native.step import LEAN_MODEL_TYPES, LeanStep
 from .screen import HeadScreen
 
-__all__ = ["head_screen", "target_step"]
+__all__ = ["head_screen", "screen_obstacle", "target_obstacle", "target_step"]
 
 
 def _own_forward(model: nn.Module) -> bool:
@@ -31,32 +31,40 @@ def _own_forward(model: nn.Module) -> bool:
 _SCREENS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], HeadScreen]] = weakref.WeakKeyDictionary()
 
 
-def head_screen(model: nn.Module) -> HeadScreen | None:
-    """The int8 screen of ``model``'s LM head (built once, cached while the weight is unchanged), or ``None`` where
-    it does not apply: the logits must be exactly ``lm_head(model.model(...))`` (the lean draft architectures,
-    forward not replaced on the instance, no hooks), the head a float32 ``nn.Linear`` on the CPU, and the W8A16
-    kernel (the AVX-512 VNNI build, :func:`hf_accel.kernels.ops.choose`) available for its width; not under tensor
-    parallelism."""
+def screen_obstacle(model: nn.Module) -> str | None:
+    """Why greedy verification cannot run ``model``'s LM head through an int8 screen (``None``: it can)."""
     head = getattr(model, "lm_head", None)
-    if getattr(model.config, "model_type", None) not in LEAN_MODEL_TYPES or not _own_forward(model):
-        return None
+    if getattr(model.config, "model_type", None) not in LEAN_MODEL_TYPES:
+        return f"model_type {model.config.model_type!r}: its logits are not known to be lm_head(model.model(...))"
+    if not _own_forward(model):
+        return "the instance's forward is replaced (e.g. the compiled paged step)"
     if is_tensor_parallel(model):  # a tensor-parallel head gathers its output across ranks
-        return None
+        return "tensor-parallel shards"
     if type(head) is not nn.Linear or not isinstance(getattr(model, "model", None), nn.Module):
-        return None
+        return f"the head is {type(head).__name__}, not a float nn.Linear"
     weight = head.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
-        return None
+        return f"the head is {weight.dtype} on {weight.device.type} with width {weight.shape[1]} (float32, CPU, 32k)"
     if has_hooks((model, head)):
+        return "forward hooks must see the head"
+    kernel = choose("w8a16_linear", "cpu", groups=1)
+    if not kernel.native or not w8a16_fits(weight.shape[1], 1):
+        return "no W8A16 kernel for it: " + "; ".join(dict.fromkeys(kernel.rejected.values()))
+    return None
+
+
+def head_screen(model: nn.Module) -> HeadScreen | None:
+    """The int8 screen of ``model``'s LM head (built once, cached while the weight is unchanged), or ``None`` where
+    :func:`screen_obstacle` says it does not apply (the loop reports that reason in its stats)."""
+    if screen_obstacle(model) is not None:
         return None
+    head = model.lm_head
+    weight = head.weight
     key = (weight.data_ptr(), weight._version)
     cached = _SCREENS.get(head)
     if cached is not None and cached[0] == key:
         return cached[1]
-    kernel = choose("w8a16_linear", "cpu", groups=1)
-    if not kernel.native or not w8a16_fits(weight.shape[1], 1):
-        return None
-    screen = HeadScreen.build(weight, head.bias, kernel.fn)
+    screen = HeadScreen.build(weight, head.bias, choose("w8a16_linear", "cpu", groups=1).fn)
     _SCREENS[head] = (key, screen)
     return screen
 
@@ -73,3 +81,14 @@ def target_step(model: nn.Module) -> Any:
     if forward is not None:
         return None
     return LeanStep.exact(model)
+
+
+def target_obstacle(model: nn.Module) -> str:
+    """Why :func:`target_step` gives no executor for ``model`` (for the loop's stats)."""
+    if "forward" in vars(model) and not isinstance(vars(model)["forward"], NativeForward):
+        return "the instance's forward is replaced (e.g. the compiled paged step)"
+    why = LeanStep.unsupported(model)
+    if why is not None:
+        return why
+    step = LeanStep.build(model, kv_dtype=torch.float32)
+    return (step.why_not_native if step is not None else None) or "the native feature's executor is off"
