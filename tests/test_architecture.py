@@ -32,7 +32,7 @@ TOP = 6  # hf_accel/__init__.py, patch.py, generate.py, checkpoint.py, cli.py, b
 PURE = {
     "hf_accel.paged.blocks": {"hf_accel.paged.prefix"},
     "hf_accel.paged.prefix": set(),
-    "hf_accel.paged.plan": {"hf_accel.paged.blocks"},
+    "hf_accel.paged.plan": {"hf_accel.paged.blocks", "hf_accel.kernels.reference"},
     "hf_accel.engine.scheduler": {"hf_accel.paged.blocks"},
     "hf_accel.speculative.verify": set(),
     "hf_accel.speculative.policy": set(),

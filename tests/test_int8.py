@@ -229,3 +229,15 @@ def test_real_model_int8_perplexity_and_agreement(default_model, capsys, backend
     assert ppl_int8 / ppl_fp32 - 1 < _PPL_BOUND[backend]
     prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in prompts]
     assert all(a > n for a, n in zip(agree, prompt_lens, strict=True))  # every answer starts identically
+
+
+def test_int8_layers_pickle_and_choose_their_kernel_again():
+    import io
+
+    layer = Int8Linear.from_module(nn.Linear(64, 32))
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 64)
+    assert torch.equal(loaded(x), layer(x)) and loaded.choice == layer.choice

@@ -219,3 +219,14 @@ def test_with_compile_and_paged_each_call_takes_its_own_path():
     assert torch.equal(patched.generate(**kwargs, paged=True), expected)
     assert patched.forward.calls - calls == 6  # the executor takes the short prompt and the paged decode steps
     assert patched.forward.inner.steps == 0
+
+
+def test_a_deep_copy_of_a_native_model_runs_its_class_forward():
+    import copy
+
+    plain, patched = _pair("llama")
+    clone = copy.deepcopy(patched)
+    assert not isinstance(vars(clone)["forward"], NativeForward)
+    ids, _ = random_batch(1, [5], seed=8)
+    with torch.no_grad():
+        assert_close(clone(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=1e-5, name="copy")

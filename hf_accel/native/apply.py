@@ -87,8 +87,11 @@ class NativeForward:
                                    "any more; its own forward runs")  # fmt: skip
             return self.step
 
-    def __deepcopy__(self, memo: dict[int, object]) -> None:
-        return None  # a deep copy of a model runs its class's forward (hf_accel.core.state.plain_copy drops it)
+    def __deepcopy__(self, memo: dict[int, object]) -> Any:
+        # a deep copy of the model runs its class's forward (hf_accel.core.state.plain_copy drops the attribute)
+        model = self._model()
+        copied = memo.get(id(model)) if model is not None else None
+        return None if copied is None else types.MethodType(type(copied).forward, copied)
 
     def _runner(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DynamicCache, LeanStep] | None:
         """The call's dynamic cache and the executor to run it, or ``None`` (the replaced forward runs it)."""

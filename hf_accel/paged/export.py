@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .plan import token_slots
+from ..kernels.reference import token_slots
 
 if TYPE_CHECKING:
     from .cache import PagedCache

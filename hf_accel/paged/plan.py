@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.errors import CacheFullError, IncompatibleOptionsError
+from ..kernels.reference import token_slots
 from .blocks import BlockCopy, BlockManager
 
 __all__ = [
@@ -26,15 +27,8 @@ __all__ = [
     "plan_packed",
     "real_tokens",
     "start_rows",
-    "token_slots",
     "truncate_rows",
 ]
-
-
-def token_slots(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
-    """Pool slots of a sequence's first ``n`` tokens through its block ``table`` ([blocks]) -> [n] int64."""
-    t = torch.arange(n, device=table.device)
-    return table.long()[t // block_size] * block_size + t % block_size
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +80,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scale", qw.scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._bind_kernel()
+
+    def _bind_kernel(self) -> None:
         #: the CPU implementation this layer runs (chosen once per process by the kernel layer)
-        self.choice = kernel_choice(activations, qw.group_size, self.in_features)
+        self.choice = kernel_choice(self.activations, self.group_size, self.in_features)
         # the native function (None: the float maths below); the op's name, a string torch.compile guards on
         self._fn = self.choice.fn if self.choice.native else None
         self._cpu_kernel = self.choice.op if self.choice.native else ""
         if self._cpu_kernel:
             op(self._cpu_kernel)  # torch.ops.hf_accel.<op>: what a compiled step runs (kept opaque)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_fn", None)  # native functions do not pickle: chosen again when loaded
+        state.pop("choice", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._bind_kernel()  # this machine's choice
 
     @classmethod
     def from_module(cls, linear: nn.Module, group_size: int | None = None, activations: str = "float") -> Int8Linear:
