@@ -20,6 +20,7 @@ from .core.config import (
 from .core.errors import (
     AlreadyPatchedError,
     CacheFullError,
+    CheckpointError,
     DefaultModelNotInstalledError,
     FeatureNotAvailableError,
     HFAccelError,
@@ -42,6 +43,7 @@ __all__ = [
     "AccelConfig",
     "AlreadyPatchedError",
     "CacheFullError",
+    "CheckpointError",
     "CompileConfig",
     "DefaultModelNotInstalledError",
     "Engine",

@@ -221,6 +221,8 @@ def _measure(
         bar.set_postfix_str(f"{tech.name} batch {batch}")
         samples, out = [], None
         for _ in range(repeats):
+            if torch.cuda.is_available() and inputs["input_ids"].is_cuda:  # this CLI's own process: per-call peaks
+                torch.cuda.reset_peak_memory_stats(inputs["input_ids"].device)
             out = model.generate(**inputs, **kwargs).sequences
             samples.append(last_stats(model))
             bar.update()

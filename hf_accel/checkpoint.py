@@ -21,7 +21,7 @@ from torch import nn
 
 from .core.config import Int8Config
 from .core.dispatch import model_dtype
-from .core.errors import IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
+from .core.errors import CheckpointError, IncompatibleOptionsError, ModelNotFoundError, NotPatchedError
 from .core.state import get_state
 from .quant.bnb import is_bnb_linear
 from .quant.linear import Int8Linear
@@ -81,17 +81,80 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
     return folder
 
 
+#: dtypes a checkpoint's float tensors may be saved in (its record's ``dtype`` field)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def _read_record(folder: Path) -> dict[str, Any]:
+    """The checkpoint's JSON record, every field checked.
+
+    Raises:
+        ModelNotFoundError: not a checkpoint folder.
+        CheckpointError: unreadable JSON, not an object, a missing or malformed field.
+    """
     record_path = folder / RECORD
     if not record_path.is_file() or not (folder / WEIGHTS).is_file():
         raise ModelNotFoundError(
             f"{str(folder)!r} is not an hf_accel int8 checkpoint (no {RECORD} / {WEIGHTS}); "
             "write one with hf_accel.save_quantized(model, path)"
         )
-    record = json.loads(record_path.read_text())
+    try:
+        record = json.loads(record_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{record_path} is not valid JSON ({exc}); write it again with save_quantized") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{record_path} must hold a JSON object, got {type(record).__name__}")
     if record.get("format") != FORMAT:
-        raise IncompatibleOptionsError(f"{RECORD} has format {record.get('format')!r}; this hf_accel reads {FORMAT}")
+        raise CheckpointError(
+            f"{record_path}: field 'format' is {record.get('format')!r}; this hf_accel reads {FORMAT}"
+        )
+    _check_fields(record_path, record)
     return record
+
+
+def _check_fields(path: Path, record: dict[str, Any]) -> None:
+    missing = [k for k in ("group_size", "skip_modules") if k not in record]
+    if missing:
+        raise CheckpointError(
+            f"{path}: field {missing[0]!r} is missing; write the checkpoint again with save_quantized"
+        )
+    group, skip = record["group_size"], record["skip_modules"]
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise CheckpointError(f"{path}: field 'group_size' must be null or an int >= 1, got {group!r}")
+    if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
+        raise CheckpointError(f"{path}: field 'skip_modules' must be a list of strings, got {skip!r}")
+    if record.get("dtype", "float32") not in DTYPES:
+        raise CheckpointError(f"{path}: field 'dtype' is {record.get('dtype')!r}; one of {sorted(DTYPES)} expected")
+    if record.get("activations", "float") not in ("float", "int8"):
+        raise CheckpointError(f"{path}: field 'activations' is {record.get('activations')!r}; 'float' or 'int8'")
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, int8 ones checked: ``qweight`` int8, ``scale`` floating point, finite, > 0.
+
+    Raises:
+        CheckpointError: an unreadable (empty, truncated, garbage) file or a bad tensor.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path} cannot be read as safetensors ({exc}); the file is damaged or incomplete: write it again "
+            "with save_quantized"
+        ) from None
+    for name, t in tensors.items():
+        if name.endswith(".qweight") and t.dtype != torch.int8:
+            raise CheckpointError(f"{path}: tensor {name!r} must be int8, got {t.dtype}")
+        if name.endswith(".scale"):
+            if not t.is_floating_point():
+                raise CheckpointError(f"{path}: tensor {name!r} must be floating point, got {t.dtype}")
+            if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+                raise CheckpointError(f"{path}: tensor {name!r} holds NaN, infinite or negative scales")
+    return tensors
 
 
 def _check_same_architecture(model: nn.Module, config: Any) -> None:
@@ -104,14 +167,14 @@ def _check_same_architecture(model: nn.Module, config: Any) -> None:
         raise IncompatibleOptionsError(f"the checkpoint does not match the given model's architecture ({details})")
 
 
-def _load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def _load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
     current = model.state_dict()
     missing = sorted(set(current) - set(tensors))
     unexpected = sorted(set(tensors) - set(current))
     wrong = sorted(k for k in set(current) & set(tensors) if current[k].shape != tensors[k].shape)
     if missing or unexpected or wrong:
-        raise IncompatibleOptionsError(
-            "the checkpoint does not fit this model: "
+        raise CheckpointError(
+            f"{path} does not fit this model: "
             f"missing {missing[:3]}, unexpected {unexpected[:3]}, wrong shapes {wrong[:3]} "
             f"({len(missing)}/{len(unexpected)}/{len(wrong)} in all)"
         )
@@ -136,28 +199,36 @@ def load_quantized(
 
     Raises:
         ModelNotFoundError: ``path`` is not a checkpoint folder.
-        IncompatibleOptionsError: ``model`` (or the saved tensors) do not match the checkpoint's architecture.
+        CheckpointError: a damaged file (the message names it, and the field or tensor): bad JSON or fields,
+            unreadable weights, int8 tensors of another dtype, NaN/inf/negative scales, tensors that do not fit.
+        IncompatibleOptionsError: ``model`` does not match the checkpoint's architecture.
     """
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .patch import patch_model, unpatch_model
 
     folder = Path(path)
     record = _read_record(folder)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'} cannot be read as a Transformers config ({exc})") from None
+    tensors = _read_weights(folder)  # before anything is built or patched
     if model is None:
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, record.get("dtype", "float32")))
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[record.get("dtype", "float32")])
     else:
         _check_same_architecture(model, config)
-    int8 = Int8Config(
-        group_size=record["group_size"],
-        skip_modules=tuple(record["skip_modules"]),
-        activations=record.get("activations", "float"),
-    )
+    try:
+        int8 = Int8Config(
+            group_size=record["group_size"],
+            skip_modules=tuple(record["skip_modules"]),
+            activations=record.get("activations", "float"),
+        )
+    except IncompatibleOptionsError as exc:
+        raise CheckpointError(f"{folder / RECORD}: {exc}") from None
     patch_model(model, int8=int8, **{"fused_mlp": False, **features})
     try:
-        _load_tensors(model, load_file(str(folder / WEIGHTS)))
+        _load_tensors(model, tensors, folder / WEIGHTS)
     except BaseException:
         unpatch_model(model)  # a given model is handed back as it came
         raise

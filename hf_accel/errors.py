@@ -10,6 +10,7 @@ from __future__ import annotations
 from .core.errors import (
     AlreadyPatchedError,
     CacheFullError,
+    CheckpointError,
     DefaultModelNotInstalledError,
     FeatureNotAvailableError,
     HFAccelError,
@@ -22,6 +23,7 @@ from .core.errors import (
 __all__ = [
     "AlreadyPatchedError",
     "CacheFullError",
+    "CheckpointError",
     "DefaultModelNotInstalledError",
     "FeatureNotAvailableError",
     "HFAccelError",

@@ -21,6 +21,7 @@ from .core.metrics import StepClock
 from .core.recorder import Recorder
 from .core.state import PatchState
 from .paged.cache import PagedCache
+from .speculative.apply import STATS_NOTE
 
 __all__ = ["PLUGIN_KWARGS", "bind_generate"]
 
@@ -97,7 +98,7 @@ def _kv_bytes(call: GenerateCall, out: Any, real_fraction: float) -> tuple[int |
     return held, int(held * real_fraction)  # a contiguous cache also holds padding
 
 
-def _measure(model: nn.Module, state: PatchState, call: GenerateCall, clock: StepClock, out: Any, device) -> Any:
+def _measure(model: nn.Module, call: GenerateCall, clock: StepClock, out: Any, device) -> Any:
     end = time.perf_counter()
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     ids = call.input_ids()
@@ -107,7 +108,7 @@ def _measure(model: nn.Module, state: PatchState, call: GenerateCall, clock: Ste
     prompt_tokens = int(mask.sum()) * expand if mask is not None else prompt_len * sequences.shape[0]
     new = _new_tokens(sequences, prompt_len, _eos_ids(model, call.kwargs))
     fraction = (prompt_tokens + new) / max(1, sequences.numel())
-    spec = state.extras.get("speculative_stats")
+    spec = call.notes.get(STATS_NOTE)
     return clock.stats(
         batch=sequences.shape[0],
         prompt_tokens=prompt_tokens,
@@ -130,13 +131,10 @@ def bind_generate(model: nn.Module, state: PatchState, recorder: Recorder) -> No
         _apply_plugin_kwargs(self, state, plugin, call)
         for hook in state.call_hooks:
             hook(self, call)
-        state.extras.pop("speculative_stats", None)
         clock = _attach_clock(call)
         device = device_of(self)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         out = call.run(original)
-        state.extras["last_stats"] = _measure(self, state, call, clock, out, device)
+        state.extras["last_stats"] = _measure(self, call, clock, out, device)
         if not isinstance(out, torch.Tensor):
             out.metrics = state.extras["last_stats"]
         return out

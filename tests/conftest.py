@@ -11,6 +11,13 @@ from hf_accel.models import find_default_gguf, load_default
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--diff-cases", type=int, default=150, help="differential tier: random cases to run")
+    parser.addoption(
+        "--diff-features", default="default,native", help="differential tier: patch_model features to draw from"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -55,3 +55,76 @@ def test_save_and_load_errors(tmp_path):
         hf_accel.save_quantized(hf_accel.patch_model(tiny_model("llama")), tmp_path / "x")
     with pytest.raises(ModelNotFoundError, match="is not an hf_accel int8 checkpoint"):
         hf_accel.load_quantized(tmp_path)
+
+
+def _damaged(tmp_path, damage):
+    model = hf_accel.patch_model(tiny_model("llama"), int8=True)
+    folder = hf_accel.save_quantized(model, tmp_path / "q")
+    damage(folder)
+    return folder
+
+
+def _edit_record(**fields):
+    def damage(folder):
+        path = folder / "hf_accel_int8.json"
+        record = json.loads(path.read_text())
+        for key, value in fields.items():
+            if value is _DROP:
+                record.pop(key)
+            else:
+                record[key] = value
+        path.write_text(json.dumps(record))
+
+    return damage
+
+
+def _write(name, data):
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+def _truncate(folder):
+    path = folder / "model.int8.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _bad_scale(value):
+    def damage(folder):
+        from safetensors.torch import load_file, save_file
+
+        path = folder / "model.int8.safetensors"
+        tensors = load_file(str(path))
+        tensors["lm_head.scale"][0] = value
+        save_file(tensors, str(path))
+
+    return damage
+
+
+_DROP = object()
+DAMAGES = {
+    "empty weights": (_write("model.int8.safetensors", b""), r"model.int8.safetensors cannot be read as safetensors"),
+    "truncated weights": (_truncate, r"model.int8.safetensors cannot be read as safetensors"),
+    "garbage weights": (_write("model.int8.safetensors", b"\x00\xffgarbage" * 64), "cannot be read as safetensors"),
+    "bad json": (_write("hf_accel_int8.json", b"{not json"), r"hf_accel_int8.json is not valid JSON"),
+    "a list": (_write("hf_accel_int8.json", b"[1, 2]"), r"hf_accel_int8.json must hold a JSON object, got list"),
+    "missing key": (_edit_record(group_size=_DROP), r"field 'group_size' is missing"),
+    "dtype 'load'": (_edit_record(dtype="load"), r"field 'dtype' is 'load'; one of \['bfloat16', 'float16'"),
+    "skip not a list": (_edit_record(skip_modules="x"), r"field 'skip_modules' must be a list of strings"),
+    "group size": (_edit_record(group_size=-3), r"field 'group_size' must be null or an int >= 1, got -3"),
+    "activations": (_edit_record(activations="fp4"), r"field 'activations' is 'fp4'"),
+    "nan scale": (_bad_scale(float("nan")), r"tensor 'lm_head.scale' holds NaN, infinite or negative scales"),
+    "inf scale": (_bad_scale(float("inf")), r"tensor 'lm_head.scale' holds NaN"),
+    "bad config": (_write("config.json", b"{]"), r"config.json cannot be read as a Transformers config"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_damaged_checkpoints_raise_one_typed_error_naming_the_file_and_field(tmp_path, case):
+    damage, message = DAMAGES[case]
+    folder = _damaged(tmp_path, damage)
+    with pytest.raises(hf_accel.CheckpointError, match=message) as info:
+        hf_accel.load_quantized(folder)
+    assert isinstance(info.value, ValueError)
+    target = tiny_model("llama")
+    with pytest.raises(hf_accel.CheckpointError):
+        hf_accel.load_quantized(folder, model=target)
+    assert not hf_accel.is_patched(target)  # a given model is handed back as it came

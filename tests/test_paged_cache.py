@@ -189,8 +189,10 @@ def test_patched_model_keeps_its_own_prefix_cache_when_asked():
     assert torch.equal(first, second)
     assert torch.equal(first, plain.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
     cache = hf_accel.patch_report(patched)  # the cache is internal; its effect is visible in its stats
-    kept = patched.__dict__["_hf_accel_state"].extras["paged_cache"][1]
+    ((_, pool),) = patched.__dict__["_hf_accel_state"].extras["paged_caches"].values()  # (layout, pool)
+    (kept,) = pool.idle()  # one cache, made once and given back after each call
     assert kept.stats()["prefix_hit_tokens"] == 48 and cache["features"]["paged"]["prefix_cache"] is True
+    assert pool.made == 1
 
 
 def test_rows_that_finish_early_release_their_blocks():
@@ -254,14 +256,17 @@ def test_crop_reorder_select_and_reset():
 def test_repr_and_sizing_from_a_memory_budget():
     _, patched = _pair("llama")
     # 2 layers x 16 tokens x (K+V) x 2 heads x 16 dims x 4 bytes = 8 KiB per block
-    cache = PagedCache(patched, max_memory=100 * 8192 + 5)
+    cache = PagedCache(patched, max_memory=100 * 8192 + 5)  # a limit: the pool starts with one block
+    assert cache.limit_blocks == 100 and cache.num_blocks == 1 and cache.max_tokens == 16
+    cache.reserve([1600], "a test")
     assert cache.num_blocks == 100 and cache.max_tokens == 1600
     assert repr(cache) == (
         "PagedCache(model_type='llama', layers=2, blocks=100, block_size=16, tokens=1600, reserved=0.8 MiB, "
-        "dtype=float32, rows=0, seq_length=0)"
+        "dtype=float32, rows=0, seq_length=0, sizing='100 blocks reserved for a test; may grow up to 100 blocks "
+        "(max_memory=819205 bytes)')"
     )
     assert cache.layers[0].keys.shape == (100, 16, 2, 16)
-    assert cache.stats()["bytes_reserved"] == 100 * 8192
+    assert cache.stats()["bytes_reserved"] == cache.stats()["bytes_limit"] == 100 * 8192
 
 
 # ----------------------------------------------------------------------------------------- bad input
@@ -346,15 +351,13 @@ def test_unpatch_restores_attention_and_plain_generate_is_untouched():
 def test_plain_generate_of_an_sdpa_model_skips_the_grouped_kv_copies(monkeypatch, cache_implementation):
     import transformers.integrations.sdpa_attention as sdpa
 
-    from hf_accel.paged.gqa import GQA_ATTENTION
-
     plain, patched = _pair("llama")  # sdpa, 4 query heads sharing 2 K/V heads
     assert plain.config._attn_implementation == "sdpa" and plain.config.num_key_value_heads == 2
     copies, seen = [], []
     repeat_kv = sdpa.repeat_kv
     monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: copies.append(h.shape) or repeat_kv(h, n))
 
-    class Spy:  # a logits processor that records the attention implementation in use during the call
+    class Spy:  # a logits processor that records the model's attention setting during the call
         def __call__(self, ids, scores):
             seen.append(patched.config._attn_implementation)
             return scores
@@ -366,11 +369,13 @@ def test_plain_generate_of_an_sdpa_model_skips_the_grouped_kv_copies(monkeypatch
     assert copies  # Transformers' own sdpa copies the grouped K/V for the padded prompt
     copies.clear()
     got = patched.generate(input_ids=ids, attention_mask=mask, logits_processor=[Spy()], **kwargs)
-    assert seen == [GQA_ATTENTION] * 6 and copies == []
+    # the shared config never changes during a call (other threads' paged calls rely on it); the paged function
+    # hands K/V that are not a PagedCache's to the grouped-query SDPA without copies
+    assert seen == ["hf_accel_paged:sdpa"] * 6 and copies == []
     assert torch.equal(got.sequences, expected.sequences)
     for step, (a, b) in enumerate(zip(got.scores, expected.scores, strict=True)):
         assert torch.equal(a, b), f"step {step}: scores differ"  # bitwise: the same SDPA maths without copies
-    assert patched.config._attn_implementation == "hf_accel_paged:sdpa"  # switched back after the call
+    assert patched.config._attn_implementation == "hf_accel_paged:sdpa"
 
 
 @pytest.mark.parametrize("arch", ARCHS[:1])

@@ -87,7 +87,11 @@ def test_patch_report_counts_changes():
         "paged": {"block_size": 16, "num_blocks": None, "max_memory": None, "prefix_cache": False, "attention": "auto"},
         "speculative": {"strategy": "prompt_lookup", "num_tokens": None, "adaptive": None, "max_ngram": 3},
     }
-    assert report["changes"]["paged"] == {"attention sdpa -> hf_accel_paged:sdpa": 1, "generate_many bound": 1}
+    assert report["changes"]["paged"] == {
+        "hf_accel_paged:sdpa registered with Transformers": 1,
+        "attention sdpa -> hf_accel_paged:sdpa": 1,
+        "generate_many bound": 1,
+    }
     assert report["changes"]["fused_mlp"] == {"gate_proj weight shared": 2, "up_proj weight shared": 2, "MLP fused": 2}
     assert report["changes"]["core"] == {"generate wrapped": 1, "patch state attached": 1}
 

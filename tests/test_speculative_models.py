@@ -570,22 +570,27 @@ def test_keyword_strategies_are_kept_across_calls():
     draft = tiny_model("qwen2")
     ids, mask = _repetitive_batch(2)
     kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
-    kept = patched.__dict__["_hf_accel_state"].extras.setdefault("speculative_strategies", {})
+    kept = patched.__dict__["_hf_accel_state"].extras["speculative_strategies"]
+
+    def idle(kind):
+        (only,) = kept.entries[kind].pool.idle()  # one strategy, given back after the call
+        return only
+
     patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, **kwargs)
-    lookup = kept["prompt_lookup"][1]
+    lookup = idle("prompt_lookup")
     fitted = lookup._costs[patched]._w  # the step-cost fit of the first call (its decayed sample weight)
     assert fitted > 0
     out = patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, **kwargs)
-    assert kept["prompt_lookup"][1] is lookup and lookup._costs[patched]._w > fitted  # the same fit, refined
+    assert idle("prompt_lookup") is lookup and lookup._costs[patched]._w > fitted  # the same fit, refined
     assert torch.equal(out, plain.generate(input_ids=ids, attention_mask=mask, **kwargs))
     patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, num_speculative_tokens=3, **kwargs)
-    assert kept["prompt_lookup"][1] is not lookup  # other options: a new strategy replaces the kept one
+    assert idle("prompt_lookup") is not lookup  # other options: a new strategy replaces the kept one
     patched.generate(input_ids=ids, attention_mask=mask, draft_model=draft, **kwargs)
-    first = kept["draft"][1]
+    first = idle("draft")
     patched.generate(input_ids=ids, attention_mask=mask, draft_model=draft, **kwargs)
-    assert kept["draft"][1] is first
+    assert idle("draft") is first and kept.entries["draft"].pool.made == 1
     patched.generate(input_ids=ids, attention_mask=mask, draft_model=tiny_model("qwen2"), **kwargs)
-    assert kept["draft"][1] is not first  # another draft model is another strategy
+    assert idle("draft") is not first  # another draft model is another strategy
 
 
 @pytest.mark.parametrize("strategy", ["prompt_lookup", "self"])

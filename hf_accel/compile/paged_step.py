@@ -122,6 +122,10 @@ class CompiledPagedDecode:
                 if t.shape[1] > 1:
                     torch._dynamo.maybe_mark_dynamic(t, 1)
         layers = cache.layers
+        if cache.grows:  # a pool that grows keeps its graph: its block count is symbolic
+            for x in layers:
+                torch._dynamo.maybe_mark_dynamic(x.keys, 0)
+                torch._dynamo.maybe_mark_dynamic(x.values, 0)
         kernel = layers[0].attention.native  # the cache's choice (kernels.ops.choose), reported with the cache
         plan = DecodePlan(
             slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), kernel

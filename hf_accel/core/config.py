@@ -7,6 +7,7 @@ A feature set to ``None`` in :class:`AccelConfig` is off.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ __all__ = [
     "NativeConfig",
     "PagedConfig",
     "SpeculativeConfig",
+    "parse_bytes",
 ]
 
 
@@ -42,6 +44,33 @@ def _check_choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
         _fail(type(obj), name, f"must be one of {', '.join(map(repr, choices))}", value)
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(value: Any, what: str) -> int | None:
+    """A memory size: ``None``, an int of bytes (>= 1), or a string such as ``"512MiB"``, ``"1.5GB"``, ``"2 GiB"``
+    (kB/MB/GB/TB: powers of 1000; KiB/MiB/GiB/TiB: powers of 1024).
+
+    Raises:
+        IncompatibleOptionsError: anything else (floats, bools, negative sizes, unknown units), naming ``what``.
+    """
+    if value is None:
+        return None
+    rule = f"{what} must be None, an int of bytes >= 1 or a string such as '512MiB' or '2GB', got {value!r}"
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise IncompatibleOptionsError(rule)
+        value = int(float(match.group(1)) * _UNITS[unit])
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise IncompatibleOptionsError(rule)
+    if value < 1:
+        raise IncompatibleOptionsError(rule)
+    return value
+
+
 def _check_bool(obj: Any, name: str) -> None:
     value = getattr(obj, name)
     if not isinstance(value, bool):
@@ -55,7 +84,8 @@ class PagedConfig:
     Args:
         block_size: tokens per KV block.
         num_blocks: blocks in the pool; ``None`` sizes the pool from ``max_memory``.
-        max_memory: bytes the pool may reserve; ``None`` picks a budget from free memory.
+        max_memory: bytes the pool may reserve: an int or a string such as ``"1GiB"`` (:func:`parse_bytes`; stored
+            as an int); ``None`` picks a budget from free memory.
         prefix_cache: keep full prompt blocks across ``generate`` calls and reuse matching prefixes.
         attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds, else ``"gather"``),
             ``"kernel"`` (error when unavailable) or ``"gather"`` (gather each row's context, then SDPA).
@@ -63,7 +93,7 @@ class PagedConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    max_memory: int | None = None
+    max_memory: int | str | None = None
     prefix_cache: bool = False
     attention: str = "auto"
 
@@ -72,7 +102,7 @@ class PagedConfig:
     def __post_init__(self) -> None:
         _check_int(self, "block_size", minimum=1)
         _check_int(self, "num_blocks", minimum=1, optional=True)
-        _check_int(self, "max_memory", minimum=1, optional=True)
+        object.__setattr__(self, "max_memory", parse_bytes(self.max_memory, "PagedConfig.max_memory"))
         _check_bool(self, "prefix_cache")
         _check_choice(self, "attention", self.ATTENTION_MODES)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 __all__ = [
     "AlreadyPatchedError",
     "CacheFullError",
+    "CheckpointError",
     "DefaultModelNotInstalledError",
     "FeatureNotAvailableError",
     "HFAccelError",
@@ -50,6 +51,11 @@ class NotPatchedError(HFAccelError, RuntimeError):
 
 class IncompatibleOptionsError(HFAccelError, ValueError):
     """Options that are individually valid but cannot be combined, or an unknown/mistyped option."""
+
+
+class CheckpointError(IncompatibleOptionsError):
+    """A checkpoint file that cannot be read as what it claims to be (truncated, garbage, a bad field); the message
+    names the file and the field or tensor."""
 
 
 class FeatureNotAvailableError(HFAccelError, NotImplementedError):

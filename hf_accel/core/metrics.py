@@ -94,7 +94,8 @@ class GenerationStats:
         tpot_mean_s / tpot_p50_s / tpot_p90_s: time per output token after the first (per decoding step).
         kv_bytes_reserved / kv_bytes_used: KV-cache bytes held, and bytes holding live tokens (``None`` when
             the cache is not known).
-        peak_memory_bytes: CUDA ``max_memory_allocated`` on GPU; the process's peak resident set on CPU.
+        peak_memory_bytes: the process's peak so far: CUDA ``max_memory_allocated`` on GPU (never reset by hf_accel:
+            call ``torch.cuda.reset_peak_memory_stats()`` before a call to see that call's), peak resident set on CPU.
         speculative: the speculative counters of the call, if it was speculative.
     """
 

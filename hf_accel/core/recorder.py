@@ -25,6 +25,13 @@ class _Change:
     undo: Callable[[], None]
 
 
+def _layout(module: nn.Module) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of a module's first floating-point parameter or buffer (``None``: it has none)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    first = next((t for t in tensors if t.is_floating_point()), None)
+    return None if first is None else (first.dtype, first.device)
+
+
 class Recorder:
     """Applies changes to a model instance and records how to reverse them."""
 
@@ -46,10 +53,19 @@ class Recorder:
         return out
 
     def set_submodule(self, feature: str, parent: nn.Module, name: str, new: nn.Module, what: str) -> None:
-        """Replace ``parent.<name>`` (a registered submodule) by ``new``."""
+        """Replace ``parent.<name>`` (a registered submodule) by ``new``. Undo puts the original back where ``new``
+        went meanwhile: moved or cast with the model (``model.to(...)``), it follows."""
         old = parent._modules[name]
         parent._modules[name] = new
-        self._changes.append(_Change(feature, what, lambda: parent._modules.__setitem__(name, old)))
+        before = _layout(new)
+
+        def undo() -> None:
+            now = _layout(parent._modules[name])
+            if before is not None and now is not None and now != before:
+                old.to(device=now[1], dtype=now[0])
+            parent._modules[name] = old
+
+        self._changes.append(_Change(feature, what, undo))
 
     def set_instance_attr(self, feature: str, obj: Any, name: str, value: Any, what: str) -> None:
         """Set a plain (non-module, non-parameter) attribute in ``obj.__dict__``, e.g. a bound method."""

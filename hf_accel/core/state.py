@@ -69,7 +69,7 @@ class PatchState:
 
 def get_state(model: nn.Module) -> PatchState | None:
     """The patch state of ``model``, or ``None`` when it is not patched."""
-    return model.__dict__.get(STATE_ATTR)
+    return getattr(model, "__dict__", {}).get(STATE_ATTR)  # anything that is not a module: not patched
 
 
 def plain_copy(model: nn.Module) -> nn.Module:

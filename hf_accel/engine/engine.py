@@ -13,10 +13,8 @@ itself) or the background thread of :meth:`start`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -31,7 +29,8 @@ from ..core.errors import IncompatibleOptionsError, NotPatchedError
 from ..core.state import get_state
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
-from .request import END, FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec
+from .ledger import Ledger, UnknownRequestError
+from .request import FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec, prompt_ids
 from .runner import next_tokens, packed_forward, stop_reason
 from .scheduler import Phase, Scheduler, SeqState, Work
 
@@ -42,13 +41,6 @@ logger = logging.getLogger("hf_accel.engine")
 
 class EngineStoppedError(IncompatibleOptionsError):
     """A request was added to (or the loop started on) an engine that was stopped."""
-
-
-class UnknownRequestError(IncompatibleOptionsError, KeyError):
-    """A request id this engine never returned."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
 
 
 def _end_loop_at_exit(lock: threading.Condition, flag: list[bool], thread: threading.Thread) -> None:
@@ -69,7 +61,8 @@ class Engine:
         paged: the pool (:class:`~hf_accel.PagedConfig`); default: the patched model's paged config with the prefix
             cache on.
         keep_finished: outputs of finished requests kept for :meth:`result` / :meth:`stream`; beyond it the oldest
-            are forgotten (a long-running engine does not grow without bound).
+            are forgotten (a long-running engine does not grow without bound). Requests a :meth:`generate_many`
+            call waits for are kept until it returns, however many there are.
 
     Raises:
         NotPatchedError: the model is not patched, or patched without the ``paged`` feature.
@@ -113,12 +106,15 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = device_of(model)
         self.cache = PagedCache.from_config(model, cfg)
+        # the scheduler admits against the pool's free blocks: it holds its whole budget from the start
+        self.cache.reserve([self.cache.limit_blocks * self.cache.block_size], "an Engine (its whole budget)")
         self.scheduler = Scheduler(self.cache.manager, max_batch_tokens, max_running)
         self._lock = threading.Condition()
+        self._stepping = threading.Lock()
         self._inbox: list[tuple[Tracked, SeqState]] = []
         self._cancels: list[int] = []
-        self._requests: dict[int, Tracked] = {}
-        self._finished: collections.deque[int] = collections.deque()  # ids in the order they finished
+        self._ledger = Ledger(keep_finished)
+        self._requests = self._ledger.requests  # by id (the ledger forgets old finished ones)
         self.keep_finished = keep_finished
         self._states: dict[int, SeqState] = {}
         self._next_id = 0
@@ -155,53 +151,40 @@ class Engine:
             IncompatibleOptionsError: an empty prompt, a prompt + ``max_new_tokens`` the pool can never hold,
                 options the engine does not support.
         """
+        return self._enqueue(*self._prepare(prompt, generation_config, kwargs))
+
+    def _prepare(self, prompt: Any, generation_config: Any, kwargs: dict[str, Any]) -> tuple[list[int], Any]:
+        """A request's prompt ids and options, checked (nothing is queued yet)."""
         if self._closed:
             raise EngineStoppedError("this Engine was stopped; create a new one to add requests")
-        ids = self._prompt_ids(prompt)
+        ids = prompt_ids(prompt, self.tokenizer, self.model.config.get_text_config().vocab_size)
         if generation_config is not None:
             kwargs["generation_config"] = generation_config
         spec = build_spec(self.model, len(ids), kwargs, self.tokenizer, self.device)
+        if len(ids) + spec.max_new_tokens > self.scheduler.capacity:
+            raise IncompatibleOptionsError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={spec.max_new_tokens} needs "
+                f"{len(ids) + spec.max_new_tokens} KV slots but the engine's pool holds "
+                f"{self.scheduler.capacity}; give it a larger pool (paged=PagedConfig(num_blocks=...)) or lower "
+                "max_new_tokens"
+            )
+        return ids, spec
+
+    def _enqueue(self, ids: list[int], spec: Any, awaited: bool = False) -> int:
+        """Queue a prepared request; ``awaited``: kept until :meth:`generate_many` collects it."""
         with self._lock:
+            if self._closed:
+                raise EngineStoppedError("this Engine was stopped; create a new one to add requests")
             rid = self._next_id
             self._next_id += 1
             state = SeqState(rid, list(ids), len(ids), spec.max_new_tokens, arrival=rid)
-            if state.max_tokens > self.scheduler.capacity:
-                raise IncompatibleOptionsError(
-                    f"prompt of {state.prompt_len} tokens + max_new_tokens={state.max_new_tokens} needs "
-                    f"{state.max_tokens} KV slots but the engine's pool holds "
-                    f"{self.scheduler.capacity}; give it a larger pool (paged=PagedConfig(num_blocks=...)) or lower "
-                    "max_new_tokens"
-                )
             tracked = Tracked(RequestOutput(rid, list(ids)), spec)
             if spec.streamer is not None:
                 spec.streamer.put(torch.tensor([ids]))
-            self._requests[rid] = tracked
+            self._ledger.add(rid, tracked, awaited)
             self._inbox.append((tracked, state))
             self._lock.notify_all()
         return rid
-
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise IncompatibleOptionsError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() == 2 and prompt.shape[0] == 1:
-                prompt = prompt[0]
-            if prompt.dim() != 1:
-                raise IncompatibleOptionsError(
-                    f"a prompt tensor must be 1D or [1, L] (one request each), got shape {tuple(prompt.shape)}"
-                )
-            prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
-            raise IncompatibleOptionsError(f"a prompt is a string, a list of token ids or a tensor, got {prompt!r:.80}")
-        if len(prompt) == 0:
-            raise IncompatibleOptionsError("the prompt is empty: give at least one token")
-        vocab = self.model.config.get_text_config().vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise IncompatibleOptionsError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-        return list(prompt)
 
     def cancel(self, request_id: int) -> None:
         """Cancel a request (from any thread); it ends with ``finish_reason="cancelled"`` at the next step.
@@ -215,13 +198,7 @@ class Engine:
             self._lock.notify_all()
 
     def _tracked(self, request_id: int) -> Tracked:
-        try:
-            return self._requests[request_id]
-        except KeyError:
-            raise UnknownRequestError(
-                f"unknown request id {request_id!r} (never returned by add_request, or finished and forgotten after "
-                "keep_finished newer ones)"
-            ) from None
+        return self._ledger.get(request_id)
 
     def result(self, request_id: int) -> RequestOutput:
         """The request's output so far (complete once ``finish_reason`` is set)."""
@@ -229,38 +206,38 @@ class Engine:
             return self._tracked(request_id).output
 
     def stream(self, request_id: int, timeout: float | None = None) -> Iterator[int]:
-        """Iterate over the request's new tokens as they are generated.
+        """Iterate over the request's tokens as they are generated, from its first one.
 
-        Without a background loop (:meth:`start`), iterating drives the engine (all requests progress).
+        Every call replays the request from its first token, so several consumers (or a second ``stream()`` after
+        the first ended) each see all of them; on a finished request it yields what :meth:`result` holds and ends.
+        Without a background loop (:meth:`start`), iterating drives the engine (all requests progress; concurrent
+        consumers take turns stepping it).
 
         Raises:
             UnknownRequestError: an unknown id.
             RequestFailedError: the request failed (e.g. its logits processor raised).
-            TimeoutError: no token within ``timeout`` seconds (background loop only).
+            TimeoutError: no new token within ``timeout`` seconds (background loop only).
         """
-        tracked = self._tracked(request_id)
+        out = self._tracked(request_id).output
+        sent = 0
         while True:
-            if self._thread is None:
-                item = self._next_item(tracked)
-            else:
-                try:
-                    item = tracked.stream.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"request {request_id}: no token within {timeout} s") from None
-            if item is END:
+            with self._lock:
+                if self._thread is not None:
+                    fresh = lambda n=sent: out.finished or len(out.tokens) > n  # noqa: E731
+                    if not self._lock.wait_for(fresh, timeout):
+                        raise TimeoutError(f"request {request_id}: no token within {timeout} s")
+                finished = out.finished  # read first: once finished, every token is in out.tokens
+                tokens = out.tokens[sent:]
+            if not tokens and not finished:  # caller-driven: take a step (or wait for another consumer's)
+                if not self.step() and not out.finished and len(out.tokens) == sent:
+                    raise RuntimeError(f"request {request_id} can make no progress (engine idle)")
+                continue
+            yield from tokens
+            sent += len(tokens)
+            if finished:
+                if out.error is not None:
+                    raise RequestFailedError(f"request {request_id} failed: {out.error!r}") from out.error
                 return
-            if isinstance(item, BaseException):
-                raise RequestFailedError(f"request {request_id} failed: {item!r}") from item
-            yield item
-
-    def _next_item(self, tracked: Tracked) -> Any:
-        while True:
-            try:
-                return tracked.stream.get_nowait()
-            except queue.Empty:
-                pass
-            if not self.step() and tracked.stream.empty():
-                raise RuntimeError(f"request {tracked.output.request_id} can make no progress (engine idle)")
 
     # --------------------------------------------------------------------------------------- loop
     def has_unfinished(self) -> bool:
@@ -343,6 +320,10 @@ class Engine:
         """Run one engine step (admit, forward, sample, stream). Returns ``False`` when there was nothing to do."""
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise IncompatibleOptionsError("the engine loop runs in the background (start()); do not call step()")
+        with self._stepping:  # callers driving it from several threads take turns
+            return self._step()
+
+    def _step(self) -> bool:
         self._drain()
         works = self.scheduler.schedule(self._propose)
         if not works:
@@ -372,6 +353,8 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            if inbox:  # new requests may adopt cached prefixes: not ones computed with other weights
+                self.cache.check_weights()
             for _, state in inbox:
                 self._states[state.rid] = state
                 self.scheduler.add(state)
@@ -389,14 +372,18 @@ class Engine:
         Raises:
             RequestFailedError: a request failed (the first one, in prompt order).
         """
-        ids = [self.add_request(p, **kwargs) for p in prompts]
-        outputs = self.run_until_done() if self._thread is None else None
-        result = []
-        for rid in ids:
-            out = outputs[rid] if outputs is not None and rid in outputs else self._wait(rid)
+        prepared = [self._prepare(p, None, dict(kwargs)) for p in prompts]  # every prompt checked before any runs
+        ids = [self._enqueue(*request, awaited=True) for request in prepared]
+        outputs = self.run_until_done() if self._thread is None else {}
+        try:
+            found = [outputs[rid] if rid in outputs else self._wait(rid) for rid in ids]
+        finally:
+            with self._lock:
+                for rid in ids:
+                    self._ledger.collected(rid)
+        for out in found:
             out.raise_for_error()
-            result.append(out.sequence)
-        return result
+        return [out.sequence for out in found]
 
     def _wait(self, rid: int) -> RequestOutput:
         tracked = self._tracked(rid)
@@ -416,9 +403,7 @@ class Engine:
         with self._lock:
             tracked.close(reason, error)
             self._states.pop(state.rid, None)
-            self._finished.append(state.rid)
-            while len(self._finished) > self.keep_finished:
-                self._requests.pop(self._finished.popleft(), None)
+            self._ledger.finished(state.rid)
             self._lock.notify_all()
 
     # ----------------------------------------------------------------------------------- forward

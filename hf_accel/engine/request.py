@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import enum
-import queue
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from ..core.errors import HFAccelError, IncompatibleOptionsError
 from ..core.tokens import TokenBuffer
 from ..speculative.strategies import PromptLookup
 
-__all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec"]
+__all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec", "prompt_ids"]
 
 #: ``generate`` keywords a request takes besides ``GenerationConfig`` fields.
 _EXTRA_KWARGS = (
@@ -103,21 +103,13 @@ class RequestOutput:
             raise RequestFailedError(f"request {self.request_id} failed: {self.error!r}") from self.error
 
 
-class _End:
-    """Stream sentinel."""
-
-
-END = _End()
-
-
 @dataclass
 class Tracked:
-    """Engine-side bookkeeping of one request (its stream queue, timing, and its ids so far as a growing tensor)."""
+    """Engine-side bookkeeping of one request (timing, and its ids so far as a growing tensor)."""
 
     output: RequestOutput
     spec: RequestSpec
     added_at: float = field(default_factory=time.perf_counter)
-    stream: queue.Queue = field(default_factory=queue.Queue)
     collected: bool = False
     ids: TokenBuffer = field(init=False)
 
@@ -131,7 +123,6 @@ class Tracked:
             out.time_to_first_token = time.perf_counter() - self.added_at
         out.tokens.append(token)
         self.ids.append(token)
-        self.stream.put(token)
         if self.spec.streamer is not None:
             self.spec.streamer.put(torch.tensor([token]))
 
@@ -139,7 +130,6 @@ class Tracked:
         out = self.output
         out.finish_reason, out.error = reason, error
         out.latency = time.perf_counter() - self.added_at
-        self.stream.put(error if error is not None else END)
         if self.spec.streamer is not None and error is None:
             self.spec.streamer.end()
 
@@ -163,7 +153,8 @@ def build_spec(
     """Resolve a request's ``generate``-style keyword arguments.
 
     Raises:
-        IncompatibleOptionsError: unknown keywords, beam search, several return sequences, or no room to generate.
+        IncompatibleOptionsError: unknown keywords or invalid values (``max_new_tokens=0``), beam search, several
+            return sequences, stop strings without a tokenizer, or no room to generate.
     """
     kwargs = dict(kwargs)
     base = kwargs.pop("generation_config", None) or model.generation_config
@@ -171,8 +162,55 @@ def build_spec(
     user_stopping = kwargs.pop("stopping_criteria", None) or StoppingCriteriaList()
     streamer = kwargs.pop("streamer", None)
     lookup = _lookup(kwargs.pop("speculative", None)) or _lookup(kwargs.pop("prompt_lookup", None))
+    cfg, max_new = _resolve_config(model, base, kwargs, prompt_len)
+    if cfg.stop_strings and tokenizer is None:
+        raise IncompatibleOptionsError(
+            f"stop_strings={cfg.stop_strings!r} need a tokenizer: create the engine as Engine(model, tokenizer)"
+        )
+    try:  # Transformers checks values as it builds the processors (e.g. temperature > 0): typed here
+        model._prepare_special_tokens(cfg, True, device=device)
+        processors = model._get_logits_processor(
+            generation_config=cfg,
+            input_ids_seq_length=prompt_len,
+            encoder_input_ids=None,
+            prefix_allowed_tokens_fn=None,
+            logits_processor=user_processors,
+            device=device,
+            model_kwargs={},
+        )
+        stopping = model._get_stopping_criteria(cfg, user_stopping, tokenizer)
+    except IncompatibleOptionsError:
+        raise
+    except ValueError as exc:
+        raise IncompatibleOptionsError(f"invalid generation options: {exc}") from None
+    return RequestSpec(
+        config=cfg,
+        processors=processors,
+        stopping=stopping,
+        max_new_tokens=max_new,
+        sample=bool(cfg.do_sample),
+        eos=eos_token_ids(cfg.eos_token_id),
+        lookup=lookup,
+        streamer=streamer,
+    )
+
+
+def _resolve_config(
+    model: nn.Module, base: GenerationConfig, kwargs: dict[str, Any], prompt_len: int
+) -> tuple[GenerationConfig, int]:
+    """The request's generation config (``base`` updated by ``kwargs``) and how many tokens it may generate."""
     cfg = copy.deepcopy(base)
-    unknown = cfg.update(**kwargs)
+    # unset fields as generate fills them: the model's generation config, then Transformers' defaults (max_length 20)
+    cfg.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    cfg.update(**cfg._get_default_generation_params(), defaults_only=True)
+    new = kwargs.get("max_new_tokens")
+    if new is not None and (isinstance(new, bool) or not isinstance(new, int) or new < 1):
+        raise IncompatibleOptionsError(f"max_new_tokens must be an int >= 1, got {new!r}")
+    try:
+        unknown = cfg.update(**kwargs)
+        cfg.validate()
+    except ValueError as exc:  # Transformers' own checks of the values (typed here, as the docs promise)
+        raise IncompatibleOptionsError(f"invalid generation options: {exc}") from None
     if unknown:
         raise IncompatibleOptionsError(
             f"unknown generation options {sorted(unknown)}: a request takes GenerationConfig fields and "
@@ -190,24 +228,34 @@ def build_spec(
         raise IncompatibleOptionsError(
             f"max_length={cfg.max_length} leaves no room after a prompt of {prompt_len} tokens; set max_new_tokens"
         )
-    model._prepare_special_tokens(cfg, True, device=device)
-    processors = model._get_logits_processor(
-        generation_config=cfg,
-        input_ids_seq_length=prompt_len,
-        encoder_input_ids=None,
-        prefix_allowed_tokens_fn=None,
-        logits_processor=user_processors,
-        device=device,
-        model_kwargs={},
-    )
-    stopping = model._get_stopping_criteria(cfg, user_stopping, tokenizer)
-    return RequestSpec(
-        config=cfg,
-        processors=processors,
-        stopping=stopping,
-        max_new_tokens=max_new,
-        sample=bool(cfg.do_sample),
-        eos=eos_token_ids(cfg.eos_token_id),
-        lookup=lookup,
-        streamer=streamer,
-    )
+    return cfg, max_new
+
+
+def prompt_ids(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
+    """One request's prompt as token ids: a string (through ``tokenizer``), a list of ints, or a 1D / ``[1, L]``
+    tensor.
+
+    Raises:
+        IncompatibleOptionsError: a text prompt without a tokenizer, another shape or type, an empty prompt, ids
+            outside ``0..vocab-1``.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise IncompatibleOptionsError("a text prompt needs a tokenizer: Engine(model, tokenizer)")
+        prompt = tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise IncompatibleOptionsError(
+                f"a prompt tensor must be 1D or [1, L] (one request each), got shape {tuple(prompt.shape)}"
+            )
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
+        raise IncompatibleOptionsError(f"a prompt is a string, a list of token ids or a tensor, got {prompt!r:.80}")
+    if len(prompt) == 0:
+        raise IncompatibleOptionsError("the prompt is empty: give at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise IncompatibleOptionsError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    return list(prompt)

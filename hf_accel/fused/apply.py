@@ -28,14 +28,29 @@ FEATURE = "fused_mlp"
 
 def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedMLP:
     fused = FusedGatedMLP.from_module(mlp, spec, share=False)
-    # The originals become views into the fused tensor, so the weights exist once in memory (recorded).
-    weight, bias = fused.gate_up_proj.weight, fused.gate_up_proj.bias
+    # The originals become views into the fused tensor, so the weights exist once in memory (recorded). Unpatching
+    # gives them the fused module's values as they are then: after load_state_dict or model.to(...), the current
+    # ones, in the current dtype and device.
     for (param, start, stop), what in zip(fused.weight_aliases, ("gate_proj", "up_proj"), strict=False):
-        recorder.set_param_data(FEATURE, param, weight.data[start:stop], f"{what} weight shared")
-        if bias is not None:
-            owner = get_attr_path(mlp, spec.gate_proj if what == "gate_proj" else spec.up_proj)
-            recorder.set_param_data(FEATURE, owner.bias, bias.data[start:stop], f"{what} bias shared")
+        owner = get_attr_path(mlp, spec.gate_proj if what == "gate_proj" else spec.up_proj)
+        _share(recorder, fused, param, "weight", start, stop, f"{what} weight shared")
+        if fused.gate_up_proj.bias is not None:
+            _share(recorder, fused, owner.bias, "bias", start, stop, f"{what} bias shared")
     return fused
+
+
+def _share(recorder: Recorder, fused: FusedGatedMLP, param: nn.Parameter, kind: str, start: int, stop: int,
+           what: str) -> None:  # fmt: skip
+    def view() -> None:
+        param.data = (
+            fused.gate_up_proj.bias.data[start:stop] if kind == "bias" else fused.gate_up_weight.data[start:stop]
+        )
+
+    def copy_back() -> None:
+        source = fused.gate_up_bias if kind == "bias" else fused.gate_up_weight
+        param.data = source.detach()[start:stop].clone()
+
+    recorder.call(FEATURE, what, view, copy_back)
 
 
 def _check_tp_plan(model: nn.Module, prefix: str, spec: ArchSpec) -> None:

@@ -51,6 +51,11 @@ class FusedGatedMLP(nn.Module):
         #: original parameters that are views of rows ``[start, stop)`` of the fused weight (set by the adapter),
         #: so code that re-lays the fused weight out can re-point them too.
         self.weight_aliases: list[tuple[nn.Parameter, int, int]] = []
+        #: the module's own gate / up attribute names when it replaced separate projections: state dicts then hold
+        #: those keys (the unpatched model's checkpoint layout); ``None`` keeps ``gate_up_proj`` (Phi-3's own)
+        self.split_names: tuple[str, str] | None = None
+        self.register_state_dict_post_hook(_split_state)
+        self.register_load_state_dict_pre_hook(_join_state)
 
     #: MLP attribute layouts of the registry's architectures: (gate, up, fused gate_up, down, activation)
     LAYOUTS: tuple[tuple[str | None, str | None, str | None, str, str], ...] = (
@@ -86,6 +91,7 @@ class FusedGatedMLP(nn.Module):
         gate, up = getattr(mlp, gate_name), getattr(mlp, up_name)
         weight, bias = cls.fuse_weights(gate, up)
         fused = cls(weight, bias, down, act)
+        fused.split_names = (gate_name, up_name)
         rows = gate.weight.shape[0]
         fused.weight_aliases = [(gate.weight, 0, rows), (up.weight, rows, 2 * rows)]
         if share:
@@ -150,3 +156,27 @@ class FusedGatedMLP(nn.Module):
     def extra_repr(self) -> str:
         hidden = self.gate_up_proj.in_features
         return f"hidden={hidden}, intermediate={self.intermediate_size}, compiled={self._compiled is not None}"
+
+
+def _split_state(module: FusedGatedMLP, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` post-hook: ``gate_up_proj.{weight,bias}`` -> the replaced projections' keys (views)."""
+    if module.split_names is None:
+        return
+    rows = module.intermediate_size
+    for kind in ("weight", "bias"):
+        fused = state.pop(f"{prefix}gate_up_proj.{kind}", None)
+        if fused is not None:
+            gate, up = module.split_names
+            state[f"{prefix}{gate}.{kind}"], state[f"{prefix}{up}.{kind}"] = fused[:rows], fused[rows:]
+
+
+def _join_state(module: FusedGatedMLP, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook: the replaced projections' keys -> one ``gate_up_proj`` entry (a mismatch in
+    shape is then reported by PyTorch under that key)."""
+    if module.split_names is None:
+        return
+    gate, up = module.split_names
+    for kind in ("weight", "bias"):
+        g, u = f"{prefix}{gate}.{kind}", f"{prefix}{up}.{kind}"
+        if g in state and u in state:
+            state[f"{prefix}gate_up_proj.{kind}"] = torch.cat([state.pop(g), state.pop(u)], dim=0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +63,8 @@ def _panel_fn() -> Callable[..., torch.Tensor]:
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int):
     if packed.layout == torch._mkldnn:  # oneDNN's opaque layout
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.dim() == 2:  # "dense": moved or cast where no packed layout applies
+        return torch.nn.functional.linear(x, packed, bias)
     y = _panel_fn()(x.reshape(-1, x.shape[-1]), packed, bias)  # [M, N]
     return y.view(*x.shape[:-1], out_features)
 
@@ -97,11 +100,15 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.in_features = in_features
         self.out_features = out_features
+        self.loads = 0  # weights loaded through load_state_dict since packing
 
     @property
     def layout(self) -> str:
-        """``"panel"`` (hf_accel's AVX-512 kernel) or ``"onednn"``."""
-        return "onednn" if self.packed.layout == torch._mkldnn else "panel"
+        """``"panel"`` (hf_accel's AVX-512 kernel), ``"onednn"``, or ``"dense"`` (a plain ``[N, K]`` weight: the
+        module was moved or cast where neither applies, e.g. to CUDA or float16; it then runs ``F.linear``)."""
+        if self.packed.layout == torch._mkldnn:
+            return "onednn"
+        return "panel" if self.packed.dim() == 3 else "dense"
 
     @classmethod
     def from_module(cls, linear: nn.Linear, batch_hint: int = 1, layout: str = "auto") -> PackedLinear:
@@ -139,7 +146,7 @@ class PackedLinear(nn.Module):
         """The ``[N, K]`` weight in the usual layout (bitwise the values that were packed)."""
         if self.layout == "panel":
             return self.packed.transpose(1, 2).reshape(self.out_features, self.in_features)
-        return self.packed.to_dense()
+        return self.packed if self.layout == "dense" else self.packed.to_dense()
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` with the same weight (a fresh dense tensor) and the same bias parameter."""
@@ -150,20 +157,66 @@ class PackedLinear(nn.Module):
             linear.bias = self.bias
         return linear.to(dtype=weight.dtype)
 
+    @staticmethod
+    def _pack_like(weight: torch.Tensor, layout: str) -> torch.Tensor:
+        if layout == "dense" or packing_unavailable(weight) is not None:
+            return weight
+        if layout == "panel" and _panel_unavailable(weight) is None:
+            return choose("panel_pack", "cpu").fn(weight)  # [N / 16, K, 16]
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> PackedLinear:
+        """``model.to(...)`` / ``.half()`` / ``.cuda()`` reach the packed weight too: re-packed where a layout applies
+        to the result, else kept dense (``layout == "dense"``)."""
+        super()._apply(fn, recurse)
+        dense = self.dense_weight()
+        moved = fn(dense)
+        if moved is not dense and (moved.dtype != dense.dtype or moved.device != dense.device):
+            auto = "panel" if _panel_unavailable(moved) is None else "onednn"
+            self.packed = self._pack_like(moved.detach().contiguous(), auto)
+        return self
+
+    # state dicts hold the dense weight under ``weight``, as the nn.Linear it replaced: checkpoints and
+    # load_state_dict stay those of the unpatched model
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dense_weight().detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # type: ignore[no-untyped-def]
+        key = prefix + "weight"
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing, unexpected, errors)
+        if key not in state_dict:
+            if strict:
+                missing.append(key)
+            return
+        value = state_dict[key]
+        if tuple(value.shape) != (self.out_features, self.in_features):
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the shape "
+                f"in current model is {(self.out_features, self.in_features)}."
+            )
+            return
+        with torch.no_grad():  # re-packed (a new packed tensor; the weights' fingerprint sees it)
+            self.packed = self._pack_like(value.detach().to("cpu", self.packed.dtype).contiguous(), self.layout)
+        self.loads += 1
+
+    def hf_accel_fingerprint(self) -> tuple[int, int, int]:
+        """What :func:`hf_accel.core.fingerprint.weights_fingerprint` adds for this module (it covers parameters and
+        buffers; the packed weight is neither): loads, the packed tensor's identity and version."""
+        return (self.loads, id(self.packed), self.packed._version)
+
     def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
         # the opaque oneDNN tensor has no storage to copy: re-pack the dense values
         bias = copy.deepcopy(self.bias, memo)
-        if self.layout == "panel":
-            packed = self.packed.clone()
-        else:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.dense_weight(), 1)
+        packed = self.packed.clone() if self.layout != "onednn" else self._pack_like(self.dense_weight(), "onednn")
         new = PackedLinear(packed, bias, self.in_features, self.out_features)
         new.train(self.training)
         memo[id(self)] = new
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed.dtype or x.device.type != "cpu":
+        if self.layout != "dense" and (x.dtype != self.packed.dtype or x.device.type != "cpu"):
             raise TypeError(f"PackedLinear holds a {self.packed.dtype} CPU weight; got a {x.dtype} input on {x.device}")
         bias = self.bias.detach() if self.bias is not None else None
         if torch.compiler.is_compiling():  # the op exists: the compile feature defined it before compiling

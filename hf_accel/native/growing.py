@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["GrowingLayer", "growing_cache", "to_growing"]
+__all__ = ["GrowingLayer", "growing_cache", "rollback_cache", "to_growing"]
 
 
 class GrowingLayer(DynamicLayer):
@@ -100,3 +100,13 @@ def to_growing(cache: Any) -> Any:
 def growing_cache(config: Any) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers append in place."""
     return to_growing(DynamicCache(config=config))
+
+
+def rollback_cache(config: Any) -> DynamicCache:
+    """:func:`growing_cache`, except that a model with sliding-window layers gets full ones: Transformers'
+    sliding-window layers cannot crop once the window is reached, and a speculative draft must roll back anywhere.
+    (The sliding-window mask still limits what each query sees; the layers only keep older K/V too.)"""
+    cache = growing_cache(config)
+    if any(getattr(layer, "sliding_window", None) for layer in cache.layers):
+        cache = to_growing(DynamicCache(ddp_cache_data=[(None, None)] * len(cache.layers)))  # [DynamicLayer] * L
+    return cache

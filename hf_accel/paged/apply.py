@@ -7,17 +7,22 @@ base implementation unchanged, so ``generate`` without ``paged=`` behaves exactl
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..core.call import GenerateCall, GenerateKwarg
+from ..core.call import GenerateCall, GenerateKwarg, device_of
 from ..core.config import PagedConfig
+from ..core.dispatch import model_dtype
 from ..core.errors import IncompatibleOptionsError
+from ..core.lease import LeasePool
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
-from .attention import attention_choice, register, unpaged_name
+from .attention import attention_choice, paged_name, register, unpaged_call, unpaged_name, unregister
 from .cache import PagedCache
+from .gqa import register_gqa, release_gqa
 from .layer import PAGED_ATTENTION_PREFIX, uses_paged_attention
 from .pool import pool_spec
 from .runner import run_paged
@@ -27,7 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_paged", "bind_paged", "plain_paged"]
 
-_CACHE_KEY = "paged_cache"
+_CACHE_KEY = "paged_caches"
+_POOLS_LOCK = threading.Lock()
 
 
 def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder: Recorder) -> None:
@@ -37,7 +43,9 @@ def apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder:
         raise IncompatibleOptionsError(f"paged attention needs one attention implementation, got {base!r}")
     if base.startswith(PAGED_ATTENTION_PREFIX):
         raise IncompatibleOptionsError(f"the model already uses hf_accel's paged attention ({base!r})")
-    name = register(base)
+    name = paged_name(base)
+    # Transformers' attention registries are process-wide: held while this patch lasts (unpatch gives them back)
+    recorder.call("paged", f"{name} registered with Transformers", lambda: register(base), lambda: unregister(base))
     _report_attention(model, cfg, recorder)
 
     def switch() -> None:
@@ -54,7 +62,11 @@ def plain_paged(copy: nn.Module) -> None:
     grouped-head form, the same results): it holds Transformers' caches only."""
     impl = getattr(copy.config, "_attn_implementation", None) or ""
     if impl.startswith(PAGED_ATTENTION_PREFIX):
-        copy.config._attn_implementation = unpaged_name(impl.split(":", 1)[1])
+        base = impl.split(":", 1)[1]
+        copy.config._attn_implementation = unpaged_name(base)
+        if base == "sdpa":  # the copy uses the grouped-head entry for as long as it lives
+            register_gqa()
+            weakref.finalize(copy, release_gqa)
 
 
 def _report_attention(model: nn.Module, cfg: PagedConfig, recorder: Recorder) -> None:
@@ -70,32 +82,43 @@ def _report_attention(model: nn.Module, cfg: PagedConfig, recorder: Recorder) ->
 
 
 def _with_base_attention(model: nn.Module, proceed: Any) -> Any:
-    """Run ``proceed()`` on the model's original attention implementation (for ``sdpa``, the same function without
-    its K/V copies for grouped heads: :func:`~.attention.unpaged_name`).
+    """Run ``proceed()`` (a call without a ``PagedCache``) on the base implementation's masks and attention.
 
-    Transformers pre-builds 4D masks for compileable caches (``StaticCache``) while preparing generation
-    inputs; through the paged mask function they would come out as ``PagedMask`` objects, which its mask code
-    does not accept. Non-paged calls therefore use the base implementation for their whole duration.
+    Transformers pre-builds 4D masks for compileable caches (``StaticCache``) while preparing generation inputs;
+    through the paged mask function they would come out as ``PagedMask`` objects, which its mask code does not take.
+    The switch is this thread's (:func:`~.attention.unpaged_call`): the shared config never changes, so other
+    threads' paged calls and a running ``Engine`` are unaffected. (The paged attention function hands K/V that do not
+    come from a ``PagedCache`` to the base function anyway: for ``sdpa``, without its K/V copies for grouped heads.)
     """
     if not uses_paged_attention(model):
         return proceed()
-    config = model.config
-    name = config._attn_implementation
-    config._attn_implementation = unpaged_name(name.split(":", 1)[1])
+    with unpaged_call():
+        return proceed()
+
+
+def _lease_cache(model: nn.Module, state: PatchState, cfg: PagedConfig, call: GenerateCall) -> PagedCache:
+    """A ``PagedCache`` for ``cfg`` lent to this call: the model keeps its caches across calls (pools and prefix tables
+    are reused), one per concurrent call (threads never share one); given back when the call ends (:func:`bind_paged`'s
+    hook). Kept caches follow the model: after ``model.to(dtype / device)`` new ones are built for it."""
+    layout = (model_dtype(model), device_of(model))  # a model moved or cast since: caches built for it again
+    with _POOLS_LOCK:
+        pools = state.extras.setdefault(_CACHE_KEY, {})
+        kept = pools.get(cfg)
+        if kept is None or kept[0] != layout:  # the old pool (and every cache given back to it) is dropped
+            kept = pools[cfg] = (layout, LeasePool())
+    pool = kept[1]
+    cache = pool.acquire(lambda: PagedCache.from_config(model, cfg))
+    call.notes[_CACHE_KEY] = (pool, cache)
+    return cache
+
+
+def _give_back(call: GenerateCall, proceed: Any) -> Any:
+    """Run the call, then return its leased cache to the model's pool (even when the call fails)."""
     try:
         return proceed()
     finally:
-        config._attn_implementation = name
-
-
-def _cache_for(model: nn.Module, state: PatchState, cfg: PagedConfig) -> PagedCache:
-    """The model's own PagedCache for ``cfg`` (kept across calls so the pool and prefix table are reused)."""
-    kept = state.extras.get(_CACHE_KEY)
-    if kept is not None and kept[0] == cfg:
-        return kept[1]
-    cache = PagedCache.from_config(model, cfg)
-    state.extras[_CACHE_KEY] = (cfg, cache)
-    return cache
+        pool, cache = call.notes.pop(_CACHE_KEY)
+        pool.release(cache)
 
 
 def bind_paged(model: nn.Module, state: PatchState, cfg: PagedConfig) -> None:
@@ -113,15 +136,17 @@ def bind_paged(model: nn.Module, state: PatchState, cfg: PagedConfig) -> None:
         if isinstance(value, PagedCache):
             call.kwargs["cache"] = value
         elif value is True:
-            call.kwargs["cache"] = _cache_for(model, state, cfg)
+            call.kwargs["cache"] = _lease_cache(model, state, cfg, call)
         elif isinstance(value, PagedConfig):
-            call.kwargs["cache"] = _cache_for(model, state, value)
+            call.kwargs["cache"] = _lease_cache(model, state, value, call)
         else:
             raise IncompatibleOptionsError(
                 f"generate(paged=...) takes True, a PagedConfig or a PagedCache, got {type(value).__name__}"
             )
 
     def hook(model: nn.Module, call: GenerateCall) -> None:
+        if _CACHE_KEY in call.notes:  # a leased cache goes back to the pool whatever happens (outermost wrapper)
+            call.around.append(lambda proceed: _give_back(call, proceed))
         cache = call.kwargs.get("cache")
         if isinstance(cache, PagedCache):
             call.around.append(lambda proceed: run_paged(model, cache, call, proceed))

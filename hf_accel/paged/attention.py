@@ -19,9 +19,11 @@ is built); the attention function writes the chunk's real tokens into the pool a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,8 @@ from ..core.errors import IncompatibleOptionsError
 from ..kernels.ops import Choice, choose
 from ..kernels.reference import dense_attention
 from ..kernels.tuning import CPU
-from .gqa import GQA_ATTENTION, gqa_attention, register_gqa
+from .gqa import GQA_ATTENTION, gqa_attention, register_gqa, release_gqa
+from .interface import acquire, release
 from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer
 from .plan import StepPlan
 
@@ -43,7 +46,9 @@ __all__ = [
     "kernel_usable",
     "paged_name",
     "register",
+    "unpaged_call",
     "unpaged_name",
+    "unregister",
 ]
 
 #: Chunks up to this many queries per row use the native kernel (decode, speculative verification).
@@ -85,10 +90,29 @@ class PagedMask:
         return None if self.padding is None else self.padding[:, -q_len:]
 
 
+#: whether the current thread's (or task's) ``generate`` call runs without a ``PagedCache``: its masks and attention
+#: are then the base implementation's, while other threads' calls on the same model stay paged. Never read inside a
+#: compiled region (only hf_accel's own compiled paged step builds masks there).
+_UNPAGED: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_accel_unpaged", default=False)
+
+
+@contextlib.contextmanager
+def unpaged_call() -> Iterator[None]:
+    """Inside it, this thread's model calls build the base implementation's masks (a call without a ``PagedCache``,
+    e.g. one whose static cache has Transformers pre-build 4D masks); the shared model config is never changed."""
+    token = _UNPAGED.set(True)
+    try:
+        yield
+    finally:
+        _UNPAGED.reset(token)
+
+
 def _make_mask_function(base: str) -> Callable[..., PagedMask]:
-    def paged_mask(**kwargs: Any) -> PagedMask:
+    def paged_mask(**kwargs: Any) -> Any:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+        if not torch.compiler.is_compiling() and _UNPAGED.get():
+            return ALL_MASK_ATTENTION_FUNCTIONS[base](**kwargs)
         mask = kwargs.get("attention_mask")
         padding = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
         return PagedMask(padding=padding, base_fn=ALL_MASK_ATTENTION_FUNCTIONS[base], base_kwargs=kwargs)
@@ -122,7 +146,8 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
             return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
-        layer: PagedLayer | None = key.__dict__.get(LAYER_TAG)
+        # a compiled region without a plan is Transformers' own (a static cache): never a PagedCache's K/V
+        layer: PagedLayer | None = None if torch.compiler.is_compiling() else key.__dict__.get(LAYER_TAG)
         if layer is None:  # not a PagedCache: the base implementation (its result; K/V copies spared on CPU)
             mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
             function = gqa_attention if base == "sdpa" else _base_attention(module, base)
@@ -174,19 +199,23 @@ def unpaged_name(base: str) -> str:
 
 
 def register(base: str) -> str:
-    """Register ``"hf_accel_paged:<base>"`` with Transformers' attention and mask interfaces (and, for ``sdpa``,
-    :data:`~.gqa.GQA_ATTENTION`, see :func:`unpaged_name`); returns the paged name."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
+    """Hold ``"hf_accel_paged:<base>"`` in Transformers' attention and mask interfaces for one more user (and, for
+    ``sdpa``, :data:`~.gqa.GQA_ATTENTION`, see :func:`unpaged_name`); returns the paged name. :func:`unregister` gives
+    them back (the last user removes them: :mod:`.interface`)."""
     if base.startswith(PAGED_ATTENTION_PREFIX):
         raise IncompatibleOptionsError(f"attention implementation {base!r} is already hf_accel's paged attention")
     name = paged_name(base)
-    AttentionInterface.register(name, _make_attention_function(base))
-    AttentionMaskInterface.register(name, _make_mask_function(base))
+    acquire(name, lambda: _make_attention_function(base), lambda: _make_mask_function(base))
     if base == "sdpa":
         register_gqa()
     return name
+
+
+def unregister(base: str) -> None:
+    """Undo one :func:`register` of ``base``."""
+    release(paged_name(base))
+    if base == "sdpa":
+        release_gqa()
 
 
 def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> Choice:

@@ -69,6 +69,15 @@ class BlockPool:
             return True
         return False
 
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks ``self.num_blocks .. num_blocks - 1`` (free); existing blocks keep their ids and counts."""
+        if num_blocks < self.num_blocks:
+            raise ValueError(f"a pool of {self.num_blocks} blocks cannot shrink to {num_blocks}")
+        added = range(num_blocks - 1, self.num_blocks - 1, -1)
+        self._refs.extend([0] * (num_blocks - self.num_blocks))
+        self._free[:0] = added  # below the stack's top: blocks freed earlier are handed out first
+        self.num_blocks = num_blocks
+
 
 @dataclass(frozen=True)
 class BlockCopy:
@@ -118,6 +127,10 @@ class BlockManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def grow(self, num_blocks: int) -> None:
+        """Extend the pool to ``num_blocks`` blocks (the new ones free; tables and the prefix table unchanged)."""
+        self.pool.grow(num_blocks)
 
     @property
     def num_free(self) -> int:

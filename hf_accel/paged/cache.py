@@ -10,16 +10,21 @@ Transformers sees is the padded one. ``update`` copies nothing: it tags the new 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ..core.errors import IncompatibleOptionsError
+from ..core.config import parse_bytes
+from ..core.errors import CacheFullError, IncompatibleOptionsError, UnsupportedModelError
+from ..core.fingerprint import weights_fingerprint
 from ..core.protocols import RowRollback
+from ..core.registry import supported_model_types
 from .attention import attention_choice
 from .blocks import BlockCopy, BlockManager
 from .export import dense_kv
@@ -30,17 +35,22 @@ from .stats import cache_stats
 
 __all__ = ["PagedCache"]
 
+T = TypeVar("T")
+_SERVING_LOCK = threading.Lock()
+
 
 class PagedCache(Cache, RowRollback):
     """A paged KV cache for ``model.generate`` (on a model patched by :func:`hf_accel.patch_model`).
 
     Args:
         model: the causal LM this cache is for; K/V shapes, dtype and per-layer devices are taken from it.
-        num_blocks: blocks in the pool; ``None`` sizes the pool from ``max_memory``.
+        num_blocks: blocks in the pool, reserved now and never more; ``None``: the pool starts small and grows
+            on demand up to ``max_memory`` (each ``generate`` call reserves what it can need: its rows x (prompt +
+            ``max_new_tokens``), rounded up to blocks; a forward that needs more grows it by at least a quarter).
         block_size: tokens per block.
-        max_memory: bytes all layers' pools may reserve together; ``None``: half the free GPU memory, or on CPU a
-            quarter of the available RAM capped at 4 GiB. Pools are allocated with ``torch.empty``, so untouched
-            CPU pages cost nothing until used.
+        max_memory: the most bytes all layers' pools may grow to together: an int or a string such as ``"1GiB"``;
+            ``None``: half the free GPU memory, or on CPU a quarter of the available RAM capped at 4 GiB.
+            ``stats()["sizing"]`` and the repr say what is reserved and why.
         prefix_cache: publish full blocks of finished prompts/sequences and reuse them for later prompts that
             start with the same tokens (across ``generate`` calls that pass this cache).
         attention: ``"auto"`` (native kernel on CPU when available, else gather), ``"kernel"`` or ``"gather"``
@@ -64,6 +74,15 @@ class PagedCache(Cache, RowRollback):
         prefix_cache: bool = True,
         attention: str = "auto",
     ) -> None:
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise UnsupportedModelError(
+                type(model).__name__,
+                supported_model_types(),
+                reason=f"PagedCache needs a Transformers causal LM (a PreTrainedModel), got {type(model).__name__}",
+            )
+        if not isinstance(prefix_cache, bool):
+            raise IncompatibleOptionsError(f"PagedCache.prefix_cache must be a bool, got {prefix_cache!r}")
+        max_memory = parse_bytes(max_memory, "PagedCache.max_memory")
         if attention not in self.ATTENTION_MODES:
             raise IncompatibleOptionsError(
                 f"PagedCache.attention must be one of {', '.join(map(repr, self.ATTENTION_MODES))}, got {attention!r}"
@@ -72,12 +91,18 @@ class PagedCache(Cache, RowRollback):
         self.config = model.config
         self.model_type = getattr(model.config, "model_type", type(model).__name__)
         self._model = weakref.ref(model)
-        self.block_size, self.num_blocks, self.block_bytes = block_size, spec.num_blocks, spec.block_bytes
+        self.block_size, self.block_bytes = block_size, spec.block_bytes
         self.dtype, self.kv_heads, self.head_dim = spec.dtype, spec.kv_heads, spec.head_dim
         self.attention = attention
-        self.manager = BlockManager(spec.num_blocks, block_size, prefix_cache=bool(prefix_cache))
+        self.limit_blocks, self.grows = spec.num_blocks, num_blocks is None  # the most blocks it may hold
+        first = 1 if self.grows else spec.num_blocks
+        self.sizing = f"{first} blocks reserved ({spec.why})" + (
+            f"; grows on demand up to {spec.num_blocks} blocks" if self.grows else ""
+        )
+        self._limit_why = spec.why
+        self.manager = BlockManager(first, block_size, prefix_cache=bool(prefix_cache))
         self.tables = BlockTables(self.manager)
-        shape = (spec.num_blocks, block_size, spec.kv_heads, spec.head_dim)
+        shape = (first, block_size, spec.kv_heads, spec.head_dim)
         super().__init__(layers=[PagedLayer(self, i, shape, spec.dtype, d) for i, d in enumerate(spec.devices)])
         for layer in self.layers:  # how decode-sized chunks attend (one choice per device, reported)
             layer.attention = attention_choice(attention, layer.device, spec.dtype, block_size, spec.head_dim)
@@ -85,7 +110,9 @@ class PagedCache(Cache, RowRollback):
         self._length = 0  # logical (padded) length, what Transformers sees
         self._step: StepPlan | None = None
         self._pinned: StepPlan | None = None
-        self.prefix_hit_tokens = self.prompt_tokens = self.peak_blocks_used = 0
+        self.prefix_hit_tokens = self.prompt_tokens = self.peak_blocks_used = self.prefix_drops = 0
+        self._weights = weights_fingerprint(model) if self.prefix_cache else None  # what the K/V are computed with
+        self._serving = False  # a generate call holds it (serving())
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> PagedCache:
@@ -100,12 +127,35 @@ class PagedCache(Cache, RowRollback):
         return self.manager.prefix_cache
 
     @property
+    def num_blocks(self) -> int:  # blocks reserved now (a growing pool: at most limit_blocks)
+        return self.manager.num_blocks
+
+    @property
     def max_tokens(self) -> int:  # tokens the pool holds (all sequences together)
         return self.num_blocks * self.block_size
 
     @property
     def pinned_plan(self) -> StepPlan | None:  # the Engine's packed plan of the next forward (pin_packed), or None
         return self._pinned
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Hold the cache for one ``generate`` call (a cache holds one batch: a second call meanwhile is refused).
+
+        Raises:
+            IncompatibleOptionsError: another call (another thread) is using this cache now.
+        """
+        with _SERVING_LOCK:
+            if self._serving:
+                raise IncompatibleOptionsError(
+                    "this PagedCache is serving another generate call (another thread); a cache holds one batch at a "
+                    "time: build one per thread, or pass paged=True (each call then gets its own)"
+                )
+            self._serving = True
+        try:
+            yield
+        finally:
+            self._serving = False
 
     def belongs_to(self, model: nn.Module) -> bool:
         """Whether this cache was built for ``model`` (a weak reference: never confused with a later object)."""
@@ -119,16 +169,48 @@ class PagedCache(Cache, RowRollback):
         return (
             f"PagedCache(model_type={self.model_type!r}, layers={len(self.layers)}, blocks={self.num_blocks}, "
             f"block_size={self.block_size}, tokens={self.max_tokens}, reserved={reserved / 2**20:.1f} MiB, "
-            f"dtype={str(self.dtype).removeprefix('torch.')}, rows={len(self._rows)}, seq_length={self._length})"
+            f"dtype={str(self.dtype).removeprefix('torch.')}, rows={len(self._rows)}, seq_length={self._length}, "
+            f"sizing={self.sizing!r})"
         )
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> dict[str, float | int | str]:
         """Block and memory accounting (:func:`~.stats.cache_stats` says what each entry means)."""
         return cache_stats(self)
 
     def _note_peak(self) -> None:
         m = self.manager
         self.peak_blocks_used = max(self.peak_blocks_used, self.num_blocks - m.num_free - m.num_evictable)
+
+    # --------------------------------------------------------------------------- sizing
+    def reserve(self, row_tokens: Sequence[int], why: str) -> None:
+        """Make the pool hold ``row_tokens[i]`` tokens for each row of the coming batch (rounded up to blocks),
+        growing a pool built without ``num_blocks`` up to ``limit_blocks``; ``why`` says for what (``sizing``).
+        Call between forwards (``generate`` calls it before each call; the Engine for its whole budget)."""
+        need = min(sum(-(-t // self.block_size) for t in row_tokens), self.limit_blocks)
+        if self.grows and need > self.num_blocks:
+            self._grow(need, f"{need} blocks reserved for {why}")
+
+    def _grow(self, num_blocks: int, why: str) -> None:
+        for layer in self.layers:  # [NB, BS, H_kv, D] -> [num_blocks, ...]: stored blocks keep their ids
+            layer.grow(num_blocks)
+        self.manager.grow(num_blocks)
+        self.sizing = f"{why}; may grow up to {self.limit_blocks} blocks ({self._limit_why})"
+
+    def _growing(self, plan: Callable[[], T]) -> T:
+        """``plan()``; when the pool is full and may grow, grow it (by at least a quarter) and plan again."""
+        try:
+            return plan()
+        except CacheFullError as err:
+            target = self.num_blocks + err.needed - err.free
+            if not self.grows:
+                raise
+            if target > self.limit_blocks:
+                room = err.free + self.limit_blocks - self.num_blocks
+                detail = f"at its limit of {self.limit_blocks} blocks: {self._limit_why}"
+                raise CacheFullError(err.needed, room, detail) from err
+            target = max(target, min(self.limit_blocks, self.num_blocks + self.num_blocks // 4))
+            self._grow(target, f"grown to {target} blocks when a forward needed {err.needed} more")
+            return plan()
 
     # --------------------------------------------------------------------------- Cache contract
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -160,9 +242,8 @@ class PagedCache(Cache, RowRollback):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of every row (speculative rollback); frees blocks."""
         if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead."
+            raise IncompatibleOptionsError(
+                f"PagedCache.crop takes a negative count of tokens to remove from the end, got {tokens_to_remove}"
             )
         self.rollback_rows([-tokens_to_remove] * len(self._rows), -tokens_to_remove)
 
@@ -174,10 +255,10 @@ class PagedCache(Cache, RowRollback):
             logical: tokens to remove from the logical, padded length Transformers sees.
 
         Raises:
-            ValueError: counts for another number of rows, or more tokens than a row / the cache holds.
+            IncompatibleOptionsError: counts for another number of rows, or more tokens than a row / the cache holds.
         """
         if not 0 <= logical <= self._length:
-            raise ValueError(f"cannot remove {logical} tokens from a cache of {self._length}")
+            raise IncompatibleOptionsError(f"cannot remove {logical} tokens from a cache of {self._length}")
         truncate_rows(self.manager, self._rows, drop)
         self._length -= logical
         self._step = None
@@ -187,6 +268,7 @@ class PagedCache(Cache, RowRollback):
         return dense_kv(self, layer_idx, mask)
 
     def _remap_rows(self, sources: Sequence[int]) -> None:
+        self._check_sources(sources)
         new_rows = [None if self._rows[i] is None else self.manager.fork(self._rows[i]) for i in sources]
         for seq in self._rows:
             if seq is not None:
@@ -196,6 +278,11 @@ class PagedCache(Cache, RowRollback):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``j`` becomes a fork of old row ``beam_idx[j]`` (block tables are shared, not copied)."""
         self._remap_rows([int(i) for i in beam_idx.tolist()])
+
+    def _check_sources(self, sources: Sequence[int]) -> None:
+        bad = [i for i in sources if not 0 <= i < len(self._rows)]
+        if bad:
+            raise IncompatibleOptionsError(f"row index {bad[0]} is out of range for a cache of {len(self._rows)} rows")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._remap_rows([int(i) for i in torch.as_tensor(indices).tolist()])
@@ -213,8 +300,9 @@ class PagedCache(Cache, RowRollback):
             CacheFullError: the prompts alone need more blocks than the pool has.
         """
         self.reset()
+        self.check_weights()
         self.peak_blocks_used = 0  # per call: the high-water mark of this batch
-        rows = start_rows(self.manager, input_ids, attention_mask)
+        rows = self._growing(lambda: start_rows(self.manager, input_ids, attention_mask))
         self._rows, self._length = rows.seqs, rows.start
         self.prefix_hit_tokens += rows.hit_tokens
         self.prompt_tokens += rows.prompt_tokens
@@ -246,6 +334,21 @@ class PagedCache(Cache, RowRollback):
     def clear_prefix_cache(self) -> None:
         self.manager.clear_prefix_cache()
 
+    def check_weights(self) -> bool:
+        """Drop the prefix table if the model's weights changed since its blocks were computed
+        (:func:`~hf_accel.core.fingerprint.weights_fingerprint`); :meth:`start` and the Engine's admissions call it.
+        Returns whether it was dropped (counted in ``stats()["prefix_drops"]``)."""
+        model = self._model()
+        if model is None or not self.prefix_cache:
+            return False
+        now = weights_fingerprint(model)
+        if now == self._weights:
+            return False
+        self._weights = now
+        self.manager.clear_prefix_cache()
+        self.prefix_drops += 1
+        return True
+
     # --------------------------------------------------------------------------- per forward
     def step_for(self, layer_idx: int, batch: int, q_len: int, padding: torch.Tensor | None) -> StepPlan:
         """The current forward's write plan for layer ``layer_idx`` (``batch`` rows of ``q_len`` tokens; ``padding``
@@ -267,7 +370,7 @@ class PagedCache(Cache, RowRollback):
                 f"PagedCache holds {len(self._rows)} rows but the model got a batch of {batch}; "
                 "call cache.start(...) for a new batch (a PagedCache serves one batch at a time)"
             )
-        step = plan_chunk(self.manager, self.tables, self._rows, q_len, padding)
+        step = self._growing(lambda: plan_chunk(self.manager, self.tables, self._rows, q_len, padding))
         self._note_peak()
         self._length += q_len
         return step

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.errors import IncompatibleOptionsError
 from ..kernels.reference import token_slots
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def dense_kv(cache: PagedCache, layer_idx: int, mask: torch.Tensor) -> tuple[tor
     layer = cache.layers[layer_idx]
     rows = cache.row_sequences()
     if mask.dim() != 2 or mask.shape[0] != len(rows):
-        raise ValueError(f"dense needs a [{len(rows)}, T] mask, got {tuple(mask.shape)}")
+        raise IncompatibleOptionsError(f"dense needs a [{len(rows)}, T] mask, got {tuple(mask.shape)}")
     heads, dim = layer.keys.shape[2:]
     keys = layer.keys.new_zeros(mask.shape[0], heads, mask.shape[1], dim)  # [B, H_kv, T, D]
     values = torch.zeros_like(keys)
@@ -41,7 +42,7 @@ def dense_kv(cache: PagedCache, layer_idx: int, mask: torch.Tensor) -> tuple[tor
         cols = mask[row].to("cpu").nonzero().flatten()
         held = cache.manager.num_tokens(seq) if seq is not None else 0
         if held != cols.numel():
-            raise ValueError(f"row {row} holds {held} tokens but its mask has {cols.numel()} positions")
+            raise IncompatibleOptionsError(f"row {row} holds {held} tokens but its mask has {cols.numel()} positions")
         if held == 0:
             continue
         slots = token_slots(cache.tables.row(seq), held, cache.block_size).to(layer.device)

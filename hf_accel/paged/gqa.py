@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GQA_ATTENTION", "gqa_attention", "gqa_sdpa", "register_gqa"]
+from .interface import acquire, release
+
+__all__ = ["GQA_ATTENTION", "gqa_attention", "gqa_sdpa", "register_gqa", "release_gqa"]
 
 #: The attention implementation of a patched ``sdpa`` model's calls without a ``PagedCache``
 GQA_ATTENTION = "hf_accel_gqa:sdpa"
@@ -104,11 +106,15 @@ def gqa_attention(
 
 
 def register_gqa() -> str:
-    """Register :data:`GQA_ATTENTION` with Transformers' attention interface (:func:`gqa_attention`) and mask
-    interface (the ``sdpa`` mask function itself); returns the name. Called at patch time, never at import."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    """Hold :data:`GQA_ATTENTION` in Transformers' attention interface (:func:`gqa_attention`) and mask interface
+    (the ``sdpa`` mask function itself) for one more user; returns the name. Called at patch time, never at import;
+    :func:`release_gqa` gives it back."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
-    AttentionMaskInterface.register(GQA_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    acquire(GQA_ATTENTION, lambda: gqa_attention, lambda: ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return GQA_ATTENTION
+
+
+def release_gqa() -> None:
+    """One user of :data:`GQA_ATTENTION` fewer (the last removes it from Transformers' interfaces)."""
+    release(GQA_ATTENTION)

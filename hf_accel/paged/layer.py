@@ -108,6 +108,16 @@ class PagedLayer(CacheLayerMixin):
     def prefetch(self) -> None:
         return None
 
+    def grow(self, num_blocks: int) -> None:
+        """Reallocate the pools with ``num_blocks`` blocks, keeping the stored ones (between forwards only)."""
+        old = self.keys.shape[0]
+        shape = (num_blocks, *self.keys.shape[1:])
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)  # [NB', BS, H_kv, D]
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        keys[:old].copy_(self.keys)
+        values[:old].copy_(self.values)
+        self.keys, self.values = keys, values
+
     # --- pool access ---
     def write(self, key: torch.Tensor, value: torch.Tensor, step: StepPlan) -> None:
         """Store the real tokens of this chunk. ``key``/``value``: [B, H_kv, Q, D]."""

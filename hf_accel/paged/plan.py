@@ -236,7 +236,7 @@ def plan_packed(
     """
     lengths = [manager.num_tokens(s) - b for s, b in zip(seqs, starts, strict=True)]
     if sum(lengths) != len(slots):
-        raise ValueError(f"{len(slots)} slots for {sum(lengths)} packed tokens")
+        raise IncompatibleOptionsError(f"{len(slots)} slots for {sum(lengths)} packed tokens")
     width = max(lengths)
     arange = torch.arange(width)
     real = arange[None, :] < torch.tensor(lengths)[:, None]  # [R, Qmax]
@@ -314,11 +314,11 @@ def truncate_rows(manager: BlockManager, seqs: Sequence[int | None], drop: Seque
         ValueError: counts for another number of rows, or more tokens than a row holds.
     """
     if len(drop) != len(seqs):
-        raise ValueError(f"rollback_rows got {len(drop)} counts for {len(seqs)} rows")
+        raise IncompatibleOptionsError(f"rollback_rows got {len(drop)} counts for {len(seqs)} rows")
     for seq, n in zip(seqs, drop, strict=True):
         have = manager.num_tokens(seq) if seq is not None else 0
         if seq is not None and not 0 <= n <= have:
-            raise ValueError(f"cannot remove {n} tokens from a row that holds {have} real tokens")
+            raise IncompatibleOptionsError(f"cannot remove {n} tokens from a row that holds {have} real tokens")
     for seq, n in zip(seqs, drop, strict=True):
         if seq is not None and n:
             manager.truncate(seq, manager.num_tokens(seq) - n)

@@ -31,6 +31,7 @@ class PoolSpec:
         devices: the device of each layer's pool (its layer's execution device).
         block_size / num_blocks: tokens per block, blocks in the pool.
         block_bytes: bytes of one block over every layer (K and V).
+        why: where ``num_blocks`` comes from (``num_blocks=``, ``max_memory=`` or the default budget).
     """
 
     num_layers: int
@@ -41,18 +42,19 @@ class PoolSpec:
     block_size: int
     num_blocks: int
     block_bytes: int
+    why: str = ""
 
 
-def _default_budget(device: torch.device) -> int:
-    """Bytes a pool may reserve when the user gives neither ``num_blocks`` nor ``max_memory``."""
+def _default_budget(device: torch.device) -> tuple[int, str]:
+    """Bytes a pool may reserve when the user gives neither ``num_blocks`` nor ``max_memory``, and why."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        return free // 2, f"default budget: half the free memory of {device}"
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         available = _CPU_DEFAULT_CAP * 4
-    return min(_CPU_DEFAULT_CAP, available // 4)
+    return min(_CPU_DEFAULT_CAP, available // 4), "default budget: a quarter of the available RAM, at most 4 GiB"
 
 
 def _kv_geometry(model: nn.Module) -> tuple[int, int, int]:
@@ -101,12 +103,15 @@ def pool_spec(model: nn.Module, block_size: int, num_blocks: int | None, max_mem
     devices = _layer_devices(model, num_layers)
     token_bytes = 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     block_bytes = num_layers * block_size * token_bytes
+    why = f"num_blocks={num_blocks}"
     if num_blocks is None:
-        budget = max_memory if max_memory is not None else _default_budget(devices[0])
+        budget, why = (
+            (max_memory, f"max_memory={max_memory} bytes") if max_memory is not None else _default_budget(devices[0])
+        )
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise IncompatibleOptionsError(
                 f"PagedCache.max_memory={budget} bytes holds no block: one block of {block_size} tokens over "
                 f"{num_layers} layers takes {block_bytes} bytes"
             )
-    return PoolSpec(num_layers, kv_heads, head_dim, dtype, devices, block_size, num_blocks, block_bytes)
+    return PoolSpec(num_layers, kv_heads, head_dim, dtype, devices, block_size, num_blocks, block_bytes, why)

@@ -100,6 +100,36 @@ def _prefill_shared(model: nn.Module, cache: PagedCache, ids: torch.Tensor, mask
         )
 
 
+def _check_options(cfg: GenerationConfig) -> None:
+    """Options a paged call cannot serve as Transformers would.
+
+    Raises:
+        IncompatibleOptionsError: ``cache_implementation`` (on the call's or the model's generation config),
+            ``output_attentions`` (paged attention computes no weights), ``output_hidden_states`` (a prompt whose
+            prefix comes from the cache, or one prefilled once for several sequences, has no hidden states there).
+    """
+    if cfg.cache_implementation is not None:
+        raise IncompatibleOptionsError(
+            f"generate(paged=...) brings its own cache, but the generation config sets cache_implementation="
+            f"{cfg.cache_implementation!r} (model.generation_config or generation_config=); pass "
+            "cache_implementation=None to this call, or drop paged="
+        )
+    for flag in ("output_attentions", "output_hidden_states"):
+        if getattr(cfg, flag, False) and cfg.return_dict_in_generate:
+            raise IncompatibleOptionsError(
+                f"generate(paged=...) does not return {flag.removeprefix('output_')} (paged attention computes no "
+                "attention weights, and a prompt prefix reused from the cache has no hidden states); call generate "
+                f"without paged= for {flag}=True"
+            )
+
+
+def _row_tokens(mask: torch.Tensor, cfg: GenerationConfig, expand: int) -> list[int]:
+    """Tokens each row of the call can hold: its real prompt plus what it may generate."""
+    prompt = mask.shape[1]
+    new = cfg.max_new_tokens if cfg.max_new_tokens is not None else max(0, (cfg.max_length or prompt) - prompt)
+    return [int(n) + new for n in mask.sum(1).repeat_interleave(expand).tolist()]
+
+
 def run_paged(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[[], Any]) -> Any:
     """Run one ``generate`` call (``call``: a :class:`~hf_accel.generate.GenerateCall`) on ``cache``.
 
@@ -110,20 +140,30 @@ def run_paged(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[
         raise IncompatibleOptionsError(
             "this PagedCache was built for another model; build one per model: hf_accel.PagedCache(model)"
         )
+    with cache.serving():
+        return _run(model, cache, call, proceed)
+
+
+def _run(model: nn.Module, cache: PagedCache, call: Any, proceed: Callable[[], Any]) -> Any:
     ids = call.input_ids()
     if ids is None or "inputs_embeds" in call.kwargs:
         raise IncompatibleOptionsError("generate with a PagedCache needs input_ids (inputs_embeds are not supported)")
     cfg = _generation_config(model, call.kwargs)
+    _check_options(cfg)
     mask = _attention_mask(ids, cfg, call.kwargs.get("attention_mask"))
     call.kwargs["attention_mask"] = mask
     beams = (cfg.num_beams or 1) > 1
     expand = (cfg.num_beams or 1) if beams else (cfg.num_return_sequences or 1)
+    cache.reserve(_row_tokens(mask, cfg, expand), f"{mask.shape[0] * expand} rows x (prompt + max_new_tokens)")
     start = cache.start(ids, mask)
     if expand > 1:
         _prefill_shared(model, cache, ids, mask, start)
         cache.batch_repeat_interleave(expand)
     pads = (mask.shape[1] - mask.sum(1)).repeat_interleave(expand).tolist()
-    tracker = PagedRowTracker(cache, ids.shape[1], pads, _eos_ids(cfg), release=not beams)
+    # rows finished on EOS give their blocks back, unless the call returns per-step scores / logits: those of a
+    # finished row go on (Transformers computes them over the row's full context) and must stay its own
+    keep_rows = beams or bool(cfg.return_dict_in_generate and (cfg.output_scores or cfg.output_logits))
+    tracker = PagedRowTracker(cache, ids.shape[1], pads, _eos_ids(cfg), release=not keep_rows)
     processors = call.kwargs.get("logits_processor") or LogitsProcessorList()
     call.kwargs["logits_processor"] = LogitsProcessorList([*processors, tracker])
     out = proceed()

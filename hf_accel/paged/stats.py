@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 __all__ = ["cache_stats"]
 
 
-def cache_stats(cache: PagedCache) -> dict[str, float | int]:
+def cache_stats(cache: PagedCache) -> dict[str, float | int | str]:
     """Block and memory accounting.
 
     Returns:
@@ -18,7 +18,9 @@ def cache_stats(cache: PagedCache) -> dict[str, float | int]:
         table), ``blocks_free``, ``blocks_shared`` (by more than one row), ``bytes_reserved``, ``bytes_live``
         (K/V bytes of tokens live rows hold), ``utilisation`` (``bytes_live`` / bytes of the blocks in use),
         ``live_tokens``, ``prefix_hit_tokens`` / ``prompt_tokens`` (since construction),
-        ``peak_blocks_used`` (since the last :meth:`start`, i.e. during the last ``generate`` call).
+        ``peak_blocks_used`` (since the last :meth:`start`, i.e. during the last ``generate`` call),
+        ``prefix_drops`` (times the prefix table was dropped because the model's weights changed),
+        ``blocks_limit`` / ``bytes_limit`` (what the pool may grow to), ``sizing`` (what is reserved, and why).
     """
     m = cache.manager
     live = [s for s in cache.row_sequences() if s is not None]
@@ -38,4 +40,8 @@ def cache_stats(cache: PagedCache) -> dict[str, float | int]:
         "prefix_hit_tokens": cache.prefix_hit_tokens,
         "prompt_tokens": cache.prompt_tokens,
         "peak_blocks_used": cache.peak_blocks_used,
+        "prefix_drops": cache.prefix_drops,
+        "blocks_limit": cache.limit_blocks,
+        "bytes_limit": cache.limit_blocks * cache.block_bytes,
+        "sizing": cache.sizing,
     }

@@ -8,7 +8,9 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import logging
+import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,7 +129,24 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
         if is_bnb_linear(module):
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
     quantize_linears(model, parts.spec, config, recorder, backend)
+    _refuse_save_pretrained(model, recorder)
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
+
+
+def _refuse_save_pretrained(model: nn.Module, recorder: Recorder) -> None:
+    """``save_pretrained`` of the int8 model would write ``qweight``/``scale`` entries that ``from_pretrained`` drops
+    (every linear then loads randomly initialised, with a warning at best): refuse it with what to do instead."""
+
+    def save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        raise IncompatibleOptionsError(
+            "this model's linear layers are int8 (hf_accel's int8 feature), which Transformers' save_pretrained / "
+            "from_pretrained cannot round-trip. Save with hf_accel.save_quantized(model, folder) and reload with "
+            "hf_accel.load_quantized(folder), or call hf_accel.unpatch_model(model) first to save de-quantized float "
+            "weights"
+        )
+
+    bound = types.MethodType(save_pretrained, model)
+    recorder.set_instance_attr(FEATURE, model, "save_pretrained", bound, "save_pretrained refused (int8 weights)")
 
 
 def quantize_linears(

@@ -15,6 +15,7 @@ is prepared by Transformers as usual. Patching changes nothing on the model itse
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -24,6 +25,7 @@ from ..core.config import SpeculativeConfig
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
+from .kept import KeptStrategies
 from .loop import make_custom_generate
 from .output import SpeculativeStats
 from .strategies import PromptLookup, Strategy
@@ -31,9 +33,13 @@ from .strategies import PromptLookup, Strategy
 if TYPE_CHECKING:
     from ..core.state import PatchState
 
-__all__ = ["apply_speculative", "bind_speculative"]
+__all__ = ["KEPT", "STATS_NOTE", "apply_speculative", "bind_speculative"]
 
 FEATURE = "speculative"
+#: ``state.extras`` key of the model's :class:`~.kept.KeptStrategies`
+KEPT = "speculative_strategies"
+#: ``GenerateCall.notes`` key of the call's :class:`~.output.SpeculativeStats`
+STATS_NOTE = "speculative_stats"
 _KWARGS = ("speculative", "prompt_lookup", "draft_model", "num_speculative_tokens")
 _TRANSFORMERS_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
@@ -64,32 +70,22 @@ def _strategy_from_config(cfg: SpeculativeConfig, num_tokens: int | None, draft:
 
 
 def _kept_strategy(
-    kept: dict[str, tuple[Any, Strategy]], cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None
-) -> Strategy:
-    """The strategy for these options, made once per patched model and reused by the calls that ask for it.
-
-    A keyword-made strategy (``prompt_lookup=True``, ``draft_model=``, ``speculative=True``) would otherwise be
-    new at every call: its step-cost fit (what the fallback decides with) would start from a prior each time,
-    and a self-speculative draft would be quantized again. One strategy per kind is kept; other options replace it.
-    Like a Strategy instance passed by the user, it serves one ``generate`` call at a time.
-    """
-    key = (cfg, num_tokens)
-    entry = kept.get(cfg.strategy)
-    if entry is not None and entry[0] == key and (draft is None or getattr(entry[1], "draft", None) is draft):
-        return entry[1]
-    strategy = _strategy_from_config(cfg, num_tokens, draft)
-    kept[cfg.strategy] = (key, strategy)
-    return strategy
+    kept: KeptStrategies, cfg: SpeculativeConfig, num_tokens: int | None, draft: nn.Module | None
+) -> tuple[Strategy, Callable[[], None] | None]:
+    """A strategy for these options lent by the patched model (see :mod:`.kept`), and the function that gives it
+    back when the call ends."""
+    return kept.lend(cfg.strategy, (cfg, num_tokens), draft, lambda: _strategy_from_config(cfg, num_tokens, draft))
 
 
 def _resolve(
-    values: dict[str, Any], cfg: SpeculativeConfig, kept: dict[str, tuple[Any, Strategy]] | None = None
-) -> Strategy | None:
-    """The strategy one call asks for through the plugin keywords, or ``None``.
+    values: dict[str, Any], cfg: SpeculativeConfig, kept: KeptStrategies | None = None
+) -> tuple[Strategy | None, Callable[[], None] | None]:
+    """The strategy one call asks for through the plugin keywords (``None``: none), and the function that gives a
+    kept one back after the call (``None`` for a user's instance).
 
     ``kept``: the patched model's keyword-made strategies (reused across calls); ``None`` makes new ones.
     """
-    kept = {} if kept is None else kept
+    kept = KeptStrategies() if kept is None else kept
     spec, lookup = values.get("speculative"), values.get("prompt_lookup")
     draft, k = values.get("draft_model"), values.get("num_speculative_tokens")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -104,7 +100,7 @@ def _resolve(
             raise IncompatibleOptionsError(
                 "num_speculative_tokens= does not apply to a Strategy instance; set num_tokens on the strategy"
             )
-        return spec
+        return spec, None
     if spec is True:
         return _kept_strategy(kept, cfg, k, None)
     if isinstance(spec, SpeculativeConfig):
@@ -121,7 +117,7 @@ def _resolve(
         return _kept_strategy(kept, dataclasses.replace(cfg, strategy="draft"), k, draft)
     if k is not None:
         raise IncompatibleOptionsError("num_speculative_tokens= needs draft_model=, prompt_lookup=True or speculative=")
-    return None
+    return None, None
 
 
 def _check_call(call: GenerateCall) -> None:
@@ -141,6 +137,37 @@ def _check_call(call: GenerateCall) -> None:
         raise IncompatibleOptionsError("speculative generation sets custom_generate itself; do not pass one")
 
 
+def _stop_strings_here(model: nn.Module, call: GenerateCall) -> None:
+    """Build the call's stop-string criterion here: Transformers drops ``tokenizer=`` for a ``custom_generate``
+    callable before it builds its own criteria (they would then fail to find a tokenizer).
+
+    Raises:
+        IncompatibleOptionsError: stop strings without ``tokenizer=``.
+    """
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    kwargs = call.kwargs
+    config = kwargs.get("generation_config") or model.generation_config
+    stops = kwargs["stop_strings"] if "stop_strings" in kwargs else getattr(config, "stop_strings", None)
+    if not stops:
+        return
+    tokenizer = kwargs.pop("tokenizer", None)
+    if tokenizer is None:
+        raise IncompatibleOptionsError(
+            f"stop_strings={stops!r} need the tokenizer: pass generate(..., tokenizer=tokenizer)"
+        )
+    kwargs["stop_strings"] = None  # Transformers builds no second (tokenizer-less) criterion
+    given = kwargs.get("stopping_criteria") or []
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*given, StopStringCriteria(tokenizer, stops)])
+
+
+def _then(proceed: Callable[[], Any], give_back: Callable[[], None]) -> Any:
+    try:
+        return proceed()
+    finally:
+        give_back()
+
+
 def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig) -> None:
     """Add the speculative ``generate`` keywords to a patched model."""
 
@@ -150,14 +177,19 @@ def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig
 
         return apply
 
+    kept = state.extras.setdefault(KEPT, KeptStrategies())
+
     def hook(model: nn.Module, call: GenerateCall) -> None:
-        strategy = _resolve(call.notes.get(FEATURE, {}), cfg, state.extras.setdefault("speculative_strategies", {}))
+        strategy, give_back = _resolve(call.notes.get(FEATURE, {}), cfg, kept)
         if strategy is None:
             return
+        if give_back is not None:  # before anything else can fail: the lent strategy always goes back
+            call.around.insert(0, lambda proceed: _then(proceed, give_back))
         _check_call(call)
+        _stop_strings_here(model, call)
 
         def keep(stats: SpeculativeStats) -> None:
-            state.extras["speculative_stats"] = stats
+            call.notes[STATS_NOTE] = stats  # this call's own (threads never see each other's)
 
         call.kwargs["custom_generate"] = make_custom_generate(strategy, call.kwargs.get("streamer"), keep)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
-from ..native.growing import growing_cache
+from ..native.growing import rollback_cache
 from ..native.step import LeanStep
 from .ragged import LEAN_MAX_WIDTH, RaggedCache
 from .rows import row_independent
@@ -152,7 +152,7 @@ class DraftModel(Strategy):
         self._step = LeanStep.build(model)
         self._ragged = RaggedCache(
             model,
-            growing_cache(model.config),
+            rollback_cache(model.config),
             torch.zeros(batch, 0, dtype=torch.long, device=_device(model)),
             self._step,
         )

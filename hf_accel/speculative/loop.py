@@ -25,9 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.call import eos_token_ids
 from ..core.errors import IncompatibleOptionsError
+from ..core.metrics import StepClock
 from ..core.protocols import RowRollback
 from ..native.growing import to_growing
+from .kept import claimed
 from .output import SpeculativeStats, build_output
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
@@ -352,6 +355,27 @@ class _Loop:
         return verdicts
 
 
+def _check_scores(config: Any, batch: int, criteria: Any) -> None:
+    """Per-step scores / logits of a batch whose rows may finish at different steps: Transformers goes on computing
+    a finished row's (over its padding); speculative generation drops the row instead.
+
+    Raises:
+        IncompatibleOptionsError: ``output_scores`` / ``output_logits`` with more than one row and an EOS token,
+            stop strings or another per-row stopping criterion.
+    """
+    from transformers import MaxLengthCriteria, MaxTimeCriteria
+
+    asked = [f for f in ("output_scores", "output_logits") if getattr(config, f, False)]
+    never_per_row = (MaxLengthCriteria, MaxTimeCriteria, StepClock)  # they stop every row together, or never
+    per_row = [c for c in criteria or () if not isinstance(c, never_per_row)]
+    if asked and config.return_dict_in_generate and batch > 1 and (eos_token_ids(config.eos_token_id) or per_row):
+        raise IncompatibleOptionsError(
+            f"speculative generation cannot return {' / '.join(asked)} for a batch of {batch} rows that may finish "
+            "at different steps (on EOS or a stop string, it stops computing a finished row; Transformers goes on "
+            "over its padding): pass one prompt per call, or drop the speculative keyword for this call"
+        )
+
+
 def make_custom_generate(strategy: Strategy, streamer: Any, on_stats: Callable[[SpeculativeStats], None]) -> Callable:
     """A ``custom_generate`` callable for ``generate`` that runs :class:`_Loop` with ``strategy``.
 
@@ -370,11 +394,13 @@ def make_custom_generate(strategy: Strategy, streamer: Any, on_stats: Callable[[
         for flag in ("output_attentions", "output_hidden_states"):
             if getattr(generation_config, flag, False):
                 raise IncompatibleOptionsError(f"speculative generation does not return {flag.removeprefix('output_')}")
+        _check_scores(generation_config, input_ids.shape[0], stopping_criteria)
         if model_kwargs.get("inputs_embeds") is not None:
             raise IncompatibleOptionsError("speculative generation needs input_ids (inputs_embeds are not supported)")
         loop = _Loop(model, strategy, logits_processor, stopping_criteria, generation_config, streamer)
         try:
-            return loop.run(input_ids, model_kwargs)
+            with claimed(strategy):  # a Strategy holds per-call state: one call at a time (typed error otherwise)
+                return loop.run(input_ids, model_kwargs)
         finally:
             on_stats(loop.stats)
 

@@ -18,7 +18,7 @@ from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
 from ..core.tokens import TokenBuffer
 
-__all__ = ["Rows", "check_cache", "row_independent", "scoreless", "widen"]
+__all__ = ["Rows", "check_cache", "check_left_padding", "row_independent", "scoreless", "widen"]
 
 
 class Rows:
@@ -31,6 +31,7 @@ class Rows:
     """
 
     def __init__(self, input_ids: torch.Tensor, mask: torch.Tensor, max_length: int) -> None:
+        check_left_padding(input_ids, mask)
         self.prompt = input_ids  # [B, P]
         self.real = [row[m.bool()].cpu() for row, m in zip(input_ids, mask, strict=True)]  # [L_i] each
         self.generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
@@ -57,6 +58,28 @@ class Rows:
     def sequence(self, row: int) -> torch.Tensor:
         """The row's real tokens so far (prompt without padding, then generated), ``[L]`` on CPU (a view)."""
         return self._seq[row].view()
+
+
+def check_left_padding(input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Speculation keeps each row's real tokens as the mask's trailing ones (left padding, as ``generate`` expects
+    for decoder-only models).
+
+    Raises:
+        IncompatibleOptionsError: a mask whose shape is not ``input_ids``'s, right padding or holes in a row.
+    """
+    if tuple(mask.shape) != tuple(input_ids.shape):
+        raise IncompatibleOptionsError(
+            f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(input_ids.shape)}: give one mask "
+            "entry per token"
+        )
+    m = mask.bool()  # [B, P]
+    # a left-padded row is 0...0 1...1: never a 1 followed by a 0
+    bad = (m[:, :-1] & ~m[:, 1:]).any(1).nonzero().flatten().tolist() if m.shape[1] > 1 else []
+    if bad:
+        raise IncompatibleOptionsError(
+            f"speculative generation needs left-padded prompts: row {bad[0]} of attention_mask has padding after a "
+            "token (right padding or a hole); set tokenizer.padding_side = 'left'"
+        )
 
 
 def widen(budgets: list[int], rooms: list[int]) -> list[int]:

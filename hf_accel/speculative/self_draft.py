@@ -172,6 +172,12 @@ class SelfSpeculative(DraftModel):
         self._ragged = RaggedCache(draft, to_growing(copy.deepcopy(cache)), ragged.mask.clone(), self._step)
         self._seen = ragged.real_lengths().tolist()
 
+    def adopt_draft(self, other: SelfSpeculative) -> None:
+        """Share ``other``'s draft copy when it has the same options (strategies lent to concurrent calls: one copy
+        in memory; the copy only runs forwards, each strategy keeps its own cache)."""
+        if (other.weights, other.layers) == (self.weights, self.layers) and other.draft is not None:
+            self.draft, self._for = other.draft, other._for
+
     def _draft_for(self, target: nn.Module) -> nn.Module:
         if self.draft is None or self._for is None or self._for() is not target:
             self.draft = self.build(target, self.weights, self.layers)

@@ -1,0 +1,214 @@
+"""The differential tier's cases: seeded random ``generate`` calls on a patched model, each with the outcome
+docs/guarantees.md promises: the unpatched model's output, or the typed error named there.
+
+A case is drawn from one seed (architecture, init scale, features, batch and padding, paged cache, speculation,
+generate options); :func:`promise` says what the patched call must do; :func:`check` runs both models and compares.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from helpers import PAD, VOCAB, tiny_model
+
+import hf_accel
+from hf_accel import PagedConfig, SpeculativeConfig
+from hf_accel.core.errors import HFAccelError, IncompatibleOptionsError
+
+FEATURES = {"default": {}, "native": {"native": True}, "compile": {"compile": True}}
+SPECULATION = ("none", "lookup", "draft", "self")
+PAGED = ("off", "on", "prefix")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn call (``options``: extra ``generate`` keywords; ``stop``: pass a stop string found in the
+    unpatched output, with a tokenizer)."""
+
+    seed: int
+    arch: str
+    init: float
+    features: str
+    lengths: tuple[int, ...]
+    right_pad: bool
+    paged: str
+    speculation: str
+    options: dict[str, Any] = field(default_factory=dict)
+    stop: bool = False
+
+    def __str__(self) -> str:
+        pad = "right" if self.right_pad else "left"
+        return (
+            f"seed={self.seed} {self.arch} init={self.init} features={self.features} lengths={self.lengths} "
+            f"{pad}-padded paged={self.paged} speculation={self.speculation} stop={self.stop} {self.options}"
+        )
+
+
+def draw(seed: int, archs: list[str], features: tuple[str, ...] = ("default", "native")) -> Case:
+    """The case of ``seed`` (the same seed always gives the same case)."""
+    rng = random.Random(seed)
+    batch = rng.choice([1, 1, 2, 3])
+    speculation = rng.choice(SPECULATION)
+    options: dict[str, Any] = {"max_new_tokens": rng.randint(1, 12)}
+    if rng.random() < 0.3:
+        options["do_sample"], options["top_k"] = True, rng.choice([0, 5, 50])
+    else:
+        options["do_sample"] = False
+    if rng.random() < 0.3:
+        options["eos_token_id"] = rng.randrange(3, VOCAB)  # often generated: rows finish early
+    if rng.random() < 0.2:
+        options["repetition_penalty"] = 1.3
+    if rng.random() < 0.15:
+        options["min_new_tokens"] = rng.randint(1, options["max_new_tokens"])
+    if rng.random() < 0.25:
+        options["return_dict_in_generate"] = True
+        for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            options[flag] = rng.random() < 0.4
+    if rng.random() < 0.15:
+        options["num_beams"] = 2
+    if rng.random() < 0.1:
+        options["num_return_sequences"] = 2
+    return Case(
+        seed=seed,
+        arch=rng.choice(archs),
+        init=rng.choice([0.2, 0.02]),
+        features=rng.choice(features),
+        lengths=tuple(rng.randint(2, 20) for _ in range(batch)),
+        right_pad=batch > 1 and rng.random() < 0.2,
+        paged=rng.choice(PAGED),
+        speculation=speculation,
+        options=options,
+        stop=rng.random() < 0.15,
+    )
+
+
+def promise(case: Case, stops: bool | None = None) -> tuple[str, type[Exception] | None, str]:
+    """What the patched call must do: ``("equal", None, "")`` (the unpatched output), ``("valid", None, "")``
+    (speculative sampling: another draw of the same distribution) or ``("error", type, pattern)``. ``stops``:
+    whether the call got a stop string (default: the case asks for one)."""
+    opts, speculative, paged = case.options, case.speculation != "none", case.paged != "off"
+    stops = case.stop if stops is None else stops
+    rows = len(case.lengths) * opts.get("num_return_sequences", 1)
+    finishes = opts.get("eos_token_id") is not None or stops  # rows may finish at different steps
+    scores = opts.get("return_dict_in_generate") and (opts.get("output_scores") or opts.get("output_logits"))
+    ragged = case.right_pad and len(set(case.lengths)) > 1
+    outputs = any(opts.get(f) for f in ("output_attentions", "output_hidden_states"))
+    refusals = [  # any of them may come first
+        (speculative and opts.get("num_beams", 1) > 1, "cannot be combined with beam search"),
+        (speculative and outputs, "speculative generation does not return"),
+        (paged and outputs and opts.get("return_dict_in_generate"), r"generate\(paged=...\) does not return"),
+        ((paged or speculative) and ragged, "right padding|left-padded|left padding"),
+        (speculative and scores and rows > 1 and finishes, "for a batch of .* rows that may finish"),
+    ]
+    patterns = [pattern for applies, pattern in refusals if applies]
+    if patterns:
+        return "error", IncompatibleOptionsError, "|".join(patterns)
+    if speculative and opts.get("do_sample"):
+        return "valid", None, ""
+    return "equal", None, ""
+
+
+def batch_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` ``[B, L]`` of random tokens, padded on the case's side."""
+    gen = torch.Generator().manual_seed(case.seed)
+    width = max(case.lengths)
+    ids = torch.full((len(case.lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(case.lengths):
+        cols = slice(0, n) if case.right_pad else slice(width - n, width)
+        ids[row, cols] = torch.randint(3, VOCAB, (n,), generator=gen)
+        mask[row, cols] = 1
+    return ids, mask
+
+
+def _extra(case: Case) -> dict[str, Any]:
+    """The hf_accel keywords of the call."""
+    extra: dict[str, Any] = {}
+    if case.paged == "on":
+        extra["paged"] = True
+    elif case.paged == "prefix":
+        extra["paged"] = PagedConfig(block_size=4, prefix_cache=True)
+    if case.speculation == "lookup":
+        extra["prompt_lookup"] = True
+    elif case.speculation == "draft":
+        extra["draft_model"] = tiny_model(case.arch, seed=1, initializer_range=case.init)
+    elif case.speculation == "self":
+        extra["speculative"] = SpeculativeConfig(strategy="self")
+    return extra
+
+
+def _generate(model: Any, case: Case, kwargs: dict[str, Any]) -> Any:
+    torch.manual_seed(case.seed)
+    with torch.no_grad():
+        return model.generate(**kwargs)
+
+
+def _stop_string(out: Any, ids: torch.Tensor, tokenizer: Any) -> str | None:
+    """A word the unpatched model generated in its first row (so the stop string is met), or ``None``."""
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    for token in sequences[0, ids.shape[1] :].tolist():
+        text = tokenizer.decode([token]).strip()
+        if len(text) >= 2 and text.isalnum():
+            return text
+    return None
+
+
+def check(case: Case, tokenizer: Any = None) -> str:
+    """Run ``case`` on the unpatched and the patched model and compare as :func:`promise` says; returns the
+    outcome checked (``"equal"``, ``"valid"``, ``"error"``, ``"same error"``)."""
+    plain = tiny_model(case.arch, initializer_range=case.init)
+    ids, mask = batch_of(case)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "pad_token_id": PAD, **case.options}
+    if "eos_token_id" not in kwargs:
+        kwargs["eos_token_id"] = None
+    try:
+        want = _generate(plain, case, kwargs)
+    except (ValueError, TypeError) as err:  # Transformers refuses the options: so must the patched model
+        want = err
+    if case.stop and tokenizer is not None and not isinstance(want, Exception):
+        stop = _stop_string(want, ids, tokenizer)
+        if stop is not None:
+            kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
+            want = _generate(plain, case, kwargs)
+    model = hf_accel.patch_model(tiny_model(case.arch, initializer_range=case.init), **FEATURES[case.features])
+    outcome, error, pattern = promise(case, "stop_strings" in kwargs)
+    if isinstance(want, Exception):  # Transformers refuses the options: the patched model refuses them too
+        try:
+            _generate(model, case, {**kwargs, **_extra(case)})
+        except (type(want), HFAccelError):
+            return "same error"
+        raise AssertionError(f"{case}: the unpatched model raised {want!r}, the patched one did not")
+    if outcome == "error":
+        with pytest.raises(error, match=pattern):
+            _generate(model, case, {**kwargs, **_extra(case)})
+        return outcome
+    got = _generate(model, case, {**kwargs, **_extra(case)})
+    compare(case, got, want, exact=outcome == "equal")
+    return outcome
+
+
+def compare(case: Case, got: Any, want: Any, exact: bool) -> None:
+    """Sequences equal (``exact``) or of the same shape and vocabulary; per-step scores / logits close."""
+    seq_got = got if isinstance(got, torch.Tensor) else got.sequences
+    seq_want = want if isinstance(want, torch.Tensor) else want.sequences
+    if not exact:
+        assert seq_got.shape[0] == seq_want.shape[0], case
+        assert seq_got.shape[1] <= max(case.lengths) + case.options["max_new_tokens"], case
+        assert int(seq_got.max()) < VOCAB and int(seq_got.min()) >= 0, case
+        return
+    assert torch.equal(seq_got, seq_want), f"{case}\n got {seq_got.tolist()}\nwant {seq_want.tolist()}"
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), case
+        return
+    for name in ("scores", "logits"):
+        a, b = getattr(got, name, None), getattr(want, name, None)
+        assert (a is None) == (b is None), f"{case}: {name} returned by one side only"
+        if a is not None:
+            assert len(a) == len(b), f"{case}: {len(a)} vs {len(b)} steps of {name}"
+            for step, (x, y) in enumerate(zip(a, b, strict=True)):
+                where = f"{case} {name}[{step}]"
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=lambda m, w=where: f"{w}: {m}")
