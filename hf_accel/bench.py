@@ -10,6 +10,7 @@ techniques also report the perplexity change on a fixed English text.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -28,6 +29,7 @@ from .patch import last_stats, patch_model, unpatch_model
 
 __all__ = ["TECHNIQUES", "BenchResult", "parse_techniques", "run_bench"]
 
+logger = logging.getLogger("hf_accel")
 _PLAIN = dict(fused_mlp=False, paged=False, speculative=False)
 LICENSE = Path("/usr/share/common-licenses/GPL-3")  # real English text shipped with Debian
 
@@ -53,6 +55,7 @@ class Technique:
         generate: ``generate`` keywords.
         lossless: greedy output must equal the baseline's.
         unavailable: why the technique cannot run in this version/device (``None`` = it can).
+        gain: where its speed-up comes from (speculative rows add what each call's stats measured).
     """
 
     name: str
@@ -60,6 +63,7 @@ class Technique:
     generate: dict[str, Any] = field(default_factory=dict)
     lossless: bool = True
     unavailable: Callable[[], str | None] = lambda: None
+    gain: str = ""
 
 
 def _self_spec() -> dict[str, Any]:
@@ -79,29 +83,50 @@ def _no_bnb() -> str | None:
     return None
 
 
+_SPEC = "speculation"  # the gain of speculative rows is described from their stats (_speculative_gain)
 TECHNIQUES: dict[str, Technique] = {
     t.name: t
     for t in (
-        Technique("baseline", dict(_PLAIN)),
-        Technique("fused", {**_PLAIN, "fused_mlp": True}),
-        Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}),
-        Technique("compile", {**_PLAIN, "fused_mlp": True, "compile": True}),
-        Technique("native", {**_PLAIN, "fused_mlp": True, "native": True}),
-        Technique("int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False),
-        Technique("w8a8", {**_PLAIN, "int8": Int8Config(activations="int8", keep_original=True)}, lossless=False),
+        Technique("baseline", dict(_PLAIN), gain="-"),
+        Technique("fused", {**_PLAIN, "fused_mlp": True}, gain="one gate+up matmul per MLP"),
+        Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}, gain="paged KV (no padding) + paged attention"),
+        Technique(
+            "compile", {**_PLAIN, "fused_mlp": True, "compile": True}, gain="pre-packed linears + compiled decode step"
+        ),
+        Technique(
+            "native", {**_PLAIN, "fused_mlp": True, "native": True}, gain="native executor (a step in one C++ call)"
+        ),
+        Technique(
+            "int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False, gain="int8 weights (lossy)"
+        ),
+        Technique(
+            "w8a8",
+            {**_PLAIN, "int8": Int8Config(activations="int8", keep_original=True)},
+            lossless=False,
+            gain="int8 weights and activations (lossy)",
+        ),
         Technique(
             "bnb",
             {**_PLAIN, "int8": Int8Config(backend="bitsandbytes", keep_original=True)},
             lossless=False,
             unavailable=_no_bnb,
+            gain="bitsandbytes int8 weights (lossy)",
         ),
-        Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}),
-        Technique("draft", {**_PLAIN, "speculative": True}),  # needs --draft-model
-        Technique("self-spec", {**_PLAIN, "speculative": True}, {"self_spec": True}),
-        Technique("self-spec+native", {**_PLAIN, "speculative": True, "native": True}, {"self_spec": True}),
+        Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}, gain=_SPEC),
+        Technique("draft", {**_PLAIN, "speculative": True}, gain=_SPEC),  # needs --draft-model
+        Technique("self-spec", {**_PLAIN, "speculative": True}, {"self_spec": True}, gain=_SPEC),
+        Technique("self-spec+native", {**_PLAIN, "speculative": True, "native": True}, {"self_spec": True}, gain=_SPEC),
         Technique("all", {}),
     )
 }
+
+
+def _speculative_gain(spec: dict[str, Any]) -> str:
+    """What a speculative row's speed-up comes from: tokens per target forward (speculation's own share: 1.00 is
+    none) and what ran the target's forwards (often the native executor, a gain of its own)."""
+    per_forward = spec.get("tokens_per_forward", 0.0)
+    own = "none from speculation" if per_forward < 1.05 else f"speculation x{per_forward:.2f}"
+    return f"{own} ({per_forward:.2f} tokens/forward); target: {spec.get('target') or 'model forward'}"
 
 
 def parse_techniques(text: str, has_draft: bool) -> tuple[list[Technique], list[str]]:
@@ -190,16 +215,17 @@ class BenchResult:
     identical: str = "-"
     ppl_delta_pct: float | None = None
     acceptance: float | None = None
-    spread_pct: float = 0.0
+    spread_pct: float | None = None  # None: one timed run (no spread to measure)
+    gain_from: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def _median_stats(samples: list[GenerationStats]) -> dict[str, float]:
+def _median_stats(samples: list[GenerationStats]) -> dict[str, float | None]:
     rates = [s.decode_tokens_per_s for s in samples]
     med = statistics.median(rates)
-    spread = (max(rates) - min(rates)) / med * 100 if med and len(rates) > 1 else 0.0
+    spread = (max(rates) - min(rates)) / med * 100 if med and len(rates) > 1 else None
     return {
         "ttft_ms": statistics.median(s.ttft_s for s in samples) * 1000,
         "tpot_ms": statistics.median(s.tpot_mean_s for s in samples) * 1000,
@@ -231,6 +257,7 @@ def _measure(
     row.kv_mib = last.kv_bytes_used / 2**20 if last.kv_bytes_used is not None else None
     row.peak_rss_mib = last.peak_memory_bytes / 2**20 if last.peak_memory_bytes else None
     row.acceptance = last.speculative["acceptance_rate"] if last.speculative else None
+    row.gain_from = _speculative_gain(last.speculative) if tech.gain == _SPEC and last.speculative else tech.gain
     return row, out
 
 
@@ -248,6 +275,12 @@ def run_bench(
     """Measure every technique at every batch size on ``model`` (restored after each technique)."""
     from tqdm.auto import tqdm
 
+    if repeats < 3:
+        logger.warning(
+            "hf-accel bench: %d timed run(s) per cell: no spread is measured (shown as '-') and one slow run moves "
+            "the figures; use --repeats 3 or more for numbers to quote",
+            repeats,
+        )
     if getattr(tokenizer, "pad_token", None) is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -295,21 +328,23 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown_table(results: list[BenchResult]) -> str:
     head = (
         "| technique | batch | TTFT ms | TPOT ms | decode tok/s | speedup | e2e tok/s | KV MiB | peak RSS MiB "
-        "| same as baseline | ppl Δ % | acceptance | spread % |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| same as baseline | ppl Δ % | acceptance | spread % | gain from |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = [
         f"| {r.technique} | {r.batch} | {_fmt(r.ttft_ms, '.0f')} | {_fmt(r.tpot_ms, '.1f')} | "
         f"{_fmt(r.decode_tok_s, '.1f')} | {_fmt(r.speedup, '.2f')}x | {_fmt(r.e2e_tok_s, '.1f')} | "
         f"{_fmt(r.kv_mib, '.1f')} | {_fmt(r.peak_rss_mib, '.0f')} | {r.identical} | "
-        f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.acceptance, '.2f')} | {_fmt(r.spread_pct, '.0f')} |"
+        f"{_fmt(r.ppl_delta_pct, '+.2f')} | {_fmt(r.acceptance, '.2f')} | {_fmt(r.spread_pct, '.0f')} | "
+        f"{r.gain_from or '-'} |"
         for r in results
     ]
     return head + "\n".join(rows) + "\n"
 
 
-def plot(results: list[BenchResult], path: Path) -> None:
-    """A PNG with decode speedup and KV memory per technique, one bar group per batch size."""
+def plot(results: list[BenchResult], path: Path, title: str = "") -> None:
+    """A PNG with decode speed-up and KV memory per technique, one bar group per batch size, each bar labelled with
+    its value; ``title`` (model, threads, repeats) on top, the legend below the charts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -317,20 +352,27 @@ def plot(results: list[BenchResult], path: Path) -> None:
 
     techniques = list(dict.fromkeys(r.technique for r in results))
     batches = sorted({r.batch for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     width = 0.8 / len(batches)
     for i, batch in enumerate(batches):
         rows = {r.technique: r for r in results if r.batch == batch}
         xs = [j + i * width for j in range(len(techniques))]
-        axes[0].bar(xs, [rows[t].speedup if t in rows else 0 for t in techniques], width, label=f"batch {batch}")
-        axes[1].bar(xs, [rows[t].kv_mib or 0 if t in rows else 0 for t in techniques], width, label=f"batch {batch}")
-    for ax, title in zip(axes, ("decode speed-up vs baseline (x)", "KV cache in use (MiB)"), strict=True):
+        speed = axes[0].bar(
+            xs, [rows[t].speedup if t in rows else 0 for t in techniques], width, label=f"batch {batch}"
+        )
+        axes[0].bar_label(speed, fmt="%.2f", fontsize=7, padding=1)
+        kv = axes[1].bar(xs, [(rows[t].kv_mib or 0) if t in rows else 0 for t in techniques], width)
+        axes[1].bar_label(kv, fmt="%.1f", fontsize=7, padding=1)
+    for ax, name in zip(axes, ("decode speed-up vs baseline (x)", "KV cache in use (MiB)"), strict=True):
         ax.set_xticks([j + width * (len(batches) - 1) / 2 for j in range(len(techniques))])
         ax.set_xticklabels(techniques, rotation=30, ha="right")
-        ax.set_title(title)
-        ax.legend()
+        ax.set_title(name)
+        ax.margins(y=0.15)  # room for the value labels
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=len(batches), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -109,7 +109,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )  # fmt: skip
     table = bench.markdown_table(results)
     setup = f"{args.max_new_tokens} new tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
-    print(f"\nmodel: {args.model} ({model.config.model_type}, {args.dtype}); prompts: {args.prompts}; {setup}")
+    headline = f"model: {args.model} ({model.config.model_type}, {args.dtype}); prompts: {args.prompts}; {setup}"
+    print(f"\n{headline}")
     print(table)
     for note in notes:
         print(note)
@@ -118,7 +119,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if outputs["markdown"]:
         outputs["markdown"].write_text(table)
     if outputs["plot"]:
-        bench.plot(results, outputs["plot"])
+        bench.plot(results, outputs["plot"], headline)
     return 0
 
 

@@ -27,7 +27,7 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def test_bench_writes_table_json_markdown_and_plot(tiny_folder, tmp_path, capsys):
+def test_bench_writes_table_json_markdown_and_plot(tiny_folder, tmp_path, capsys, caplog):
     argv = [
         "bench", "--model", str(tiny_folder), "--techniques", "fused,paged,int8,w8a8,prompt-lookup,self-spec",
         "--batch", "1,2", "--max-new-tokens", "4", "--repeats", "1", "--no-progress",
@@ -47,6 +47,39 @@ def test_bench_writes_table_json_markdown_and_plot(tiny_folder, tmp_path, capsys
     assert rows[8]["technique"] == "w8a8" and rows[8]["ppl_delta_pct"] is not None
     assert (tmp_path / "r.md").read_text() in out
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # one timed run: no spread is claimed, and the run says why its figures are not to be quoted
+    assert all(r["spread_pct"] is None for r in rows)
+    assert "1 timed run(s) per cell: no spread is measured" in caplog.text
+    gains = {r["technique"]: r["gain_from"] for r in rows}
+    assert gains["baseline"] == "-" and gains["paged"].startswith("paged KV") and "lossy" in gains["int8"]
+    assert "tokens/forward); target: " in gains["prompt-lookup"] and "tokens/forward" in gains["self-spec"]
+    assert "| gain from |" in out
+
+
+def test_speculative_rows_say_whether_speculation_or_the_executor_made_the_gain():
+    none = bench._speculative_gain({"tokens_per_forward": 1.0, "target": "native executor (cpu/avx512)"})
+    assert none == "none from speculation (1.00 tokens/forward); target: native executor (cpu/avx512)"
+    some = bench._speculative_gain({"tokens_per_forward": 2.5, "target": "paged cache"})
+    assert some == "speculation x2.50 (2.50 tokens/forward); target: paged cache"
+
+
+def test_plot_has_a_title_value_labels_and_a_legend_clear_of_the_bars(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    seen = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (seen.append(fig), real(fig, *a, **k))[1])
+    rows = [
+        bench.BenchResult("baseline", 1, 10, 1, 100, 90, speedup=1.0, kv_mib=2.0),
+        bench.BenchResult("native", 1, 8, 0.6, 160, 150, speedup=1.6, kv_mib=2.0),
+    ]
+    bench.plot(rows, tmp_path / "p.png", "model: m (llama, float32); 64 new tokens, median of 3, 2 threads")
+    (fig,) = seen
+    assert fig._suptitle.get_text().startswith("model: m (llama")
+    labels = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert {"1.00", "1.60", "2.0"} <= set(labels)
+    (legend,) = fig.legends  # below the charts, not over a chart's bars
+    assert not any(ax.get_legend() for ax in fig.axes) and legend.get_texts()[0].get_text() == "batch 1"
 
 
 def test_bench_all_skips_what_cannot_run_and_says_why(tiny_folder, capsys):

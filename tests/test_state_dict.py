@@ -1,6 +1,6 @@
 """A patched model's ``state_dict`` / ``load_state_dict`` / ``save_pretrained`` are the unpatched model's: fused and
 packed layers read and write the original keys, a weight update reaches every internal copy (and survives
-unpatching), and int8 models refuse ``save_pretrained`` with what to do instead."""
+unpatching), and int8 models save a plain checkpoint of their de-quantized weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from helpers import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_accel
-from hf_accel.core.errors import IncompatibleOptionsError
+from hf_accel.quant.model_apis import float_state_dict
 
 IDS = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 13, 14, 15]])
 KW = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
@@ -59,10 +59,24 @@ def test_load_state_dict_reports_shape_mismatches_and_missing_keys():
         patched.load_state_dict(missing)
 
 
-def test_int8_model_refuses_save_pretrained_with_what_to_do(tmp_path):
-    patched = hf_accel.patch_model(tiny_model("llama"), int8=True)
-    with pytest.raises(IncompatibleOptionsError, match=r"hf_accel.save_quantized\(model, folder\)"):
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_save_pretrained_writes_a_plain_checkpoint_of_the_de_quantized_weights(tmp_path, tied, caplog):
+    patched = hf_accel.patch_model(tiny_model("llama", tie_word_embeddings=tied), int8=True)
+    with caplog.at_level("WARNING", logger="hf_accel"):
         patched.save_pretrained(tmp_path)
+    assert "writes its de-quantized float weights" in caplog.text
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # plain Transformers: every weight found, none random
+    want = float_state_dict(patched)
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(tiny_model("llama", tie_word_embeddings=tied).state_dict())
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    # the same model the int8 one computes, in float: its logits are the int8 model's within int8-kernel rounding
+    torch.testing.assert_close(loaded(IDS).logits, patched(IDS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_unpatched_model_saves_as_a_normal_checkpoint(tmp_path):
+    patched = hf_accel.patch_model(tiny_model("llama"), int8=True)
     hf_accel.unpatch_model(patched)
     patched.save_pretrained(tmp_path)  # de-quantized float weights: a normal checkpoint again
     assert AutoModelForCausalLM.from_pretrained(tmp_path).generate(IDS, **KW).shape == (2, 11)

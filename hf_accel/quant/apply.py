@@ -8,9 +8,7 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import logging
-import types
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +21,7 @@ from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize, quantize
 from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
+from .model_apis import bind_model_apis, warn_lossy_unpatch
 
 __all__ = ["apply_int8", "quantize_linears", "resolve_backend"]
 
@@ -128,25 +127,10 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     for module in model.modules():
         if is_bnb_linear(module):
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
+    warn_lossy_unpatch(recorder, config.keep_original)  # recorded first: undone last
     quantize_linears(model, parts.spec, config, recorder, backend)
-    _refuse_save_pretrained(model, recorder)
+    bind_model_apis(model, recorder, backend)
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
-
-
-def _refuse_save_pretrained(model: nn.Module, recorder: Recorder) -> None:
-    """``save_pretrained`` of the int8 model would write ``qweight``/``scale`` entries that ``from_pretrained`` drops
-    (every linear then loads randomly initialised, with a warning at best): refuse it with what to do instead."""
-
-    def save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        raise IncompatibleOptionsError(
-            "this model's linear layers are int8 (hf_accel's int8 feature), which Transformers' save_pretrained / "
-            "from_pretrained cannot round-trip. Save with hf_accel.save_quantized(model, folder) and reload with "
-            "hf_accel.load_quantized(folder), or call hf_accel.unpatch_model(model) first to save de-quantized float "
-            "weights"
-        )
-
-    bound = types.MethodType(save_pretrained, model)
-    recorder.set_instance_attr(FEATURE, model, "save_pretrained", bound, "save_pretrained refused (int8 weights)")
 
 
 def quantize_linears(
