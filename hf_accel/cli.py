@@ -43,6 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="also write a PNG chart (speed-up and KV memory per technique)")
     bench.add_argument("--profile", help="profile the baseline first; write a Chrome trace to this path")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (continuous batching) over your model")
+    serve.add_argument("--model", default="default", help="local model folder, or 'default' (SmolLM2-135M)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--name", help="the model id clients send (default: the model's folder name)")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    for flag in ("native", "int8", "compile"):
+        serve.add_argument(f"--{flag}", action="store_true", help=f"patch with {flag}=True too")
     return parser
 
 
@@ -62,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print("\n".join(supported_model_types()))
             return 0
+        if args.command == "serve":
+            return _serve(args)
         _positive(parser, "--max-new-tokens", args.max_new_tokens)
         if args.command == "bench":
             return _bench(parser, args)
@@ -72,6 +82,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HFAccelError as err:  # user errors: a message, no traceback
         print(f"hf-accel: error: {err}", file=sys.stderr)
         return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models import load_model
+    from .patch import patch_model
+    from .serve import serve
+
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype))
+    patch_model(model, **{f: True for f in ("native", "int8", "compile") if getattr(args, f)})
+    name = args.name or ("SmolLM2-135M-Instruct" if args.model == "default" else args.model.rstrip("/").split("/")[-1])
+    serve(model, tokenizer, args.host, args.port, name)
+    return 0
 
 
 def _batches(parser: argparse.ArgumentParser, text: str) -> list[int]:

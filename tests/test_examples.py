@@ -72,3 +72,9 @@ def test_native_decoding_example(default_model, monkeypatch, capsys):
     _run("native_decoding.py", ["--max-new-tokens", "8", "--batch", "2", "--paged"], monkeypatch)
     out = capsys.readouterr().out
     assert "native executor: cpu/" in out and "identical: True]" in out and out.count("\n> ") == 2
+
+
+def test_openai_server_example(default_model, monkeypatch, capsys):
+    _run("openai_server.py", ["--max-tokens", "6"], monkeypatch)
+    out = capsys.readouterr().out
+    assert out.count("Q: ") == 3 and out.count("A: ") == 3 and "streamed: " in out

@@ -1,0 +1,309 @@
+"""``hf-accel serve``: an OpenAI-compatible HTTP server over an :class:`~hf_accel.Engine` on a patched model.
+
+Endpoints (the shape of OpenAI's API, as ``transformers serve`` offers it): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (the tokenizer's chat template; ``stream=true`` sends server-sent events),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text). Requests are batched continuously by the
+engine's background loop; a client that disconnects cancels its request; bad requests get OpenAI-style JSON errors
+with a 4xx status. Needs the ``serve`` extra (FastAPI and uvicorn).
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from torch import nn
+
+from .core.errors import HFAccelError
+from .engine import Engine, FinishReason, RequestFailedError
+
+__all__ = ["create_app", "serve"]
+
+_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+_UNSUPPORTED = ("logprobs", "echo", "tools", "functions", "suffix", "best_of", "logit_bias", "top_logprobs")
+
+
+class RequestError(Exception):
+    """A bad request: answered with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+class TextTail:
+    """Detokenizes a growing token list into text deltas: holds back an incomplete UTF-8 character and any tail
+    that could be the start of a stop string, and cuts the text at the first stop string (OpenAI leaves it out)."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.sent = 0  # characters handed out
+
+    def _text(self) -> tuple[str, bool]:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stops if s and s in text]
+        return (text[: min(cuts)], True) if cuts else (text, False)
+
+    def feed(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text, stopped = self._text()
+        end = len(text)
+        if not stopped:
+            end -= max((len(s) - 1 for s in self.stops), default=0)  # may be the start of a stop string
+            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
+                end -= 1
+        return self._take(text, end)
+
+    def finish(self) -> str:
+        text, _ = self._text()
+        return self._take(text, len(text))
+
+    def _take(self, text: str, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent : end], end
+        return piece
+
+
+def _generation_kwargs(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The engine's keywords for an OpenAI request body, and its stop strings."""
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise RequestError(f"'{name}' is not supported by hf-accel serve", name)
+    if body.get("n", 1) != 1:
+        raise RequestError("only n=1 is supported (one choice per request)", "n")
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    if not all(isinstance(s, str) for s in stops):
+        raise RequestError("'stop' must be a string or a list of strings", "stop")
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 256)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise RequestError("'max_tokens' must be an integer >= 1", "max_tokens")
+    kwargs: dict[str, Any] = {"max_new_tokens": limit}
+    temperature = body.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise RequestError("'temperature' must be a number >= 0", "temperature")
+    if temperature == 0:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=float(temperature), top_k=0)
+        if body.get("top_p") is not None:
+            kwargs["top_p"] = float(body["top_p"])
+    if stops:
+        kwargs["stop_strings"] = stops
+    return kwargs, stops
+
+
+class _Server:
+    """What the endpoints share: the engine, the tokenizer and counters."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, name: str) -> None:
+        self.engine, self.tokenizer, self.name = engine, tokenizer, name
+        self.created = int(time.time())
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.generated = 0
+
+    def prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
+        if body.get("model") not in (None, self.name):
+            raise RequestError(f"model {body.get('model')!r} does not exist; this server serves {self.name!r}",
+                               "model", 404, "model_not_found")  # fmt: skip
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as exc:
+                raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from exc
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("'prompt' must be a non-empty string", "prompt")
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def submit(self, ids: list[int], kwargs: dict[str, Any]) -> int:
+        try:
+            return self.engine.add_request(ids, **kwargs)
+        except HFAccelError as exc:
+            self.counts["rejected"] += 1
+            raise RequestError(str(exc)) from exc
+
+    def finish_reason(self, rid: int) -> str:
+        out = self.engine.result(rid)
+        self.generated += len(out.tokens)
+        if out.finish_reason == FinishReason.FAILED:
+            self.counts["failed"] += 1
+            raise RequestError(f"generation failed: {out.error!r}", status=500)
+        self.counts["completed" if out.finish_reason != FinishReason.CANCELLED else "cancelled"] += 1
+        return _FINISH.get(out.finish_reason, "stop")
+
+    def cancel(self, rid: int) -> None:
+        if not self.engine.result(rid).finished:
+            self.engine.cancel(rid)
+
+    def metrics(self) -> str:
+        e, stats = self.engine, self.engine.cache.stats()
+        lines = [f'hf_accel_requests_total{{status="{k}"}} {v}' for k, v in self.counts.items()]
+        lines += [
+            f"hf_accel_requests_running {len(e.scheduler.running)}",
+            f"hf_accel_requests_waiting {len(e.scheduler.waiting)}",
+            f"hf_accel_engine_steps_total {e.steps}",
+            f"hf_accel_forward_tokens_total {e.forward_tokens}",
+            f"hf_accel_generated_tokens_total {self.generated}",
+            f"hf_accel_kv_blocks_used {stats['blocks_used']}",
+            f"hf_accel_kv_blocks_total {stats['blocks_total']}",
+            f"hf_accel_prefix_hit_tokens_total {stats['prefix_hit_tokens']}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _chunk(server: _Server, rid: str, chat: bool, text: str | None, finish: str | None, first: bool) -> str:
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        if text:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice, obj = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}, "text_completion"
+    payload = {"id": rid, "object": obj, "created": int(time.time()), "model": server.name, "choices": [choice]}
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _events(server: _Server, rid: int, tail: TextTail, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events of one request; a disconnect (the task is cancelled) cancels the request."""
+    from starlette.concurrency import iterate_in_threadpool
+
+    name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        if chat:
+            yield _chunk(server, name, chat, None, None, first=True)
+        try:
+            async for new in iterate_in_threadpool(_batched(server.engine.stream(rid))):
+                piece = tail.feed(new)
+                if piece:
+                    yield _chunk(server, name, chat, piece, None, first=False)
+            rest, finish = tail.finish(), server.finish_reason(rid)
+        except (RequestFailedError, RequestError) as exc:  # the status line is sent: the error goes in the stream
+            error = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500)
+            yield f"data: {json.dumps(error.body())}\n\n"
+            return
+        yield _chunk(server, name, chat, rest, finish, first=False)
+        yield "data: [DONE]\n\n"
+    finally:
+        server.cancel(rid)
+
+
+def _batched(tokens: Iterator[int]) -> Iterator[list[int]]:
+    for token in tokens:
+        yield [token]
+
+
+async def _complete(server: _Server, rid: int, tail: TextTail, chat: bool, request: Any) -> dict[str, Any]:
+    """Wait for the whole request (cancelled if the client goes away meanwhile); the response body."""
+    from starlette.concurrency import run_in_threadpool
+
+    work = asyncio.ensure_future(run_in_threadpool(lambda: list(server.engine.stream(rid))))
+    while not work.done():
+        await asyncio.wait([work], timeout=0.1)
+        if not work.done() and await request.is_disconnected():
+            server.cancel(rid)
+    try:
+        tokens = await work
+    except RequestFailedError as exc:
+        server.counts["failed"] += 1
+        raise RequestError(f"generation failed: {exc}", status=500) from exc
+    text = tail.feed(tokens) + tail.finish()
+    finish = server.finish_reason(rid)
+    prompt_tokens = len(server.engine.result(rid).prompt)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(tokens),
+        "total_tokens": prompt_tokens + len(tokens),
+    }
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": server.name,
+            "choices": [choice], "usage": usage}  # fmt: skip
+
+
+def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine: Engine | None = None) -> Any:
+    """A FastAPI app serving ``model`` (patched by :func:`hf_accel.patch_model`) through an :class:`Engine`.
+
+    The engine's background loop starts with the app and stops (cancelling what runs) when it shuts down.
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    server = _Server(engine or Engine(model, tokenizer=tokenizer), tokenizer, name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine.start()
+        yield
+        server.engine.stop(cancel=True, timeout=30)
+
+    app = FastAPI(title="hf-accel serve", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(RequestError)
+    async def bad_request(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def generate(request: Request, chat: bool) -> Any:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise RequestError("the request body is not valid JSON") from exc
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        kwargs, stops = _generation_kwargs(body)
+        rid = server.submit(server.prompt(body, chat), kwargs)
+        tail = TextTail(server.tokenizer, stops)
+        if body.get("stream"):
+            return StreamingResponse(_events(server, rid, tail, chat), media_type="text/event-stream")
+        return await _complete(server, rid, tail, chat, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        entry = {"id": server.name, "object": "model", "created": server.created, "owned_by": "hf_accel"}
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics())
+
+    return app
+
+
+def serve(model: nn.Module, tokenizer: Any, host: str = "127.0.0.1", port: int = 8000, name: str = "hf_accel") -> None:
+    """Run :func:`create_app` with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(model, tokenizer, name), host=host, port=port, log_level="info")
