@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="answer chat prompts with the default model, unpatched vs patched")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     demo.add_argument("--prompt", action="append", help="a chat prompt (repeatable; default: two built-in ones)")
+    demo.add_argument("--repeats", type=int, default=3, help="timed, interleaved runs per configuration (default 3)")
     sub.add_parser("archs", help="list the supported model types")
     bench = sub.add_parser("bench", help="technique-comparison table on your model (speed, memory, quality)")
     bench.add_argument("--model", default="default", help="local model folder, or 'default' (SmolLM2-135M)")
@@ -77,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(parser, args)
         from .demo import run_demo
 
-        run_demo(list(args.prompt or DEMO_PROMPTS), args.max_new_tokens)
+        _positive(parser, "--repeats", args.repeats)
+        run_demo(list(args.prompt or DEMO_PROMPTS), args.max_new_tokens, args.repeats)
         return 0
     except HFAccelError as err:  # user errors: a message, no traceback
         print(f"hf-accel: error: {err}", file=sys.stderr)

@@ -77,10 +77,11 @@ def test_real_model_patched_greedy_identical(default_model, prompts):
 def test_demo_command(default_model, capsys):
     from hf_accel.cli import main
 
-    assert main(["demo", "--max-new-tokens", "8", "--prompt", "Say hello."]) == 0
+    assert main(["demo", "--max-new-tokens", "8", "--prompt", "Say hello.", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| patched   |" in out and "| yes       |" in out
-    assert "patched features: fused_mlp" in out
+    assert "| patched   |" in out and "| + native  |" in out and "| yes       |" in out and "| NO" not in out
+    assert "patched features: fused_mlp" in out and "medians over 2 interleaved repeats of 1 prompt(s)" in out
+    assert "| vs unpatched |" in out and "1.00x | -" in out
 
 
 def test_cli_user_errors(capsys):
