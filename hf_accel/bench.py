@@ -72,6 +72,17 @@ def _self_spec() -> dict[str, Any]:
     return {"speculative": SelfSpeculative("int8")}
 
 
+def _no_quanto() -> str | None:
+    from .core.errors import FeatureNotAvailableError
+    from .quant.quanto import quanto_module
+
+    try:
+        quanto_module()
+    except FeatureNotAvailableError as exc:
+        return str(exc)
+    return None
+
+
 def _no_bnb() -> str | None:
     from .core.errors import FeatureNotAvailableError
     from .quant.bnb import bnb_module
@@ -111,6 +122,13 @@ TECHNIQUES: dict[str, Technique] = {
             lossless=False,
             unavailable=_no_bnb,
             gain="bitsandbytes int8 weights (lossy)",
+        ),
+        Technique(
+            "quanto",
+            {**_PLAIN, "int8": Int8Config(backend="quanto", keep_original=True)},
+            lossless=False,
+            unavailable=_no_quanto,
+            gain="optimum-quanto int8 weights (lossy)",
         ),
         Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}, gain=_SPEC),
         Technique("draft", {**_PLAIN, "speculative": True}, gain=_SPEC),  # needs --draft-model

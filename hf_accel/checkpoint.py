@@ -25,6 +25,7 @@ from .core.errors import CheckpointError, IncompatibleOptionsError, ModelNotFoun
 from .core.state import get_state
 from .quant.bnb import is_bnb_linear
 from .quant.linear import Int8Linear
+from .quant.quanto import is_quanto_linear
 
 __all__ = ["load_quantized", "save_quantized"]
 
@@ -51,10 +52,10 @@ def save_quantized(model: nn.Module, path: str | os.PathLike[str], tokenizer: An
 
     state = get_state(model)
     cfg = getattr(state.config, "int8", None) if state is not None else None
-    if cfg is not None and any(is_bnb_linear(m) for m in model.modules()):
+    if cfg is not None and any(is_bnb_linear(m) or is_quanto_linear(m) for m in model.modules()):
         raise IncompatibleOptionsError(
-            "save_quantized writes the native backend's format; this model holds bitsandbytes layers. "
-            "Patch with Int8Config(backend='native') to save, or re-convert with bitsandbytes after loading"
+            "save_quantized writes the native backend's format; this model holds bitsandbytes / optimum-quanto "
+            "layers. Patch with Int8Config(backend='native') to save, or re-quantize with that backend after loading"
         )
     if cfg is None or not any(isinstance(m, Int8Linear) for m in model.modules()):
         raise NotPatchedError(

@@ -213,8 +213,10 @@ class Int8Config:
     """Weight-only int8 options (lossy: never enabled by default).
 
     Args:
-        backend: ``"auto"`` (native on CPU, bitsandbytes on CUDA when installed), ``"native"`` (hf_accel
-            kernels) or ``"bitsandbytes"`` (``Linear8bitLt``; needs ``pip install "hf_accel[bnb]"``).
+        backend: ``"auto"`` (native on CPU; on CUDA bitsandbytes when installed, else optimum-quanto when
+            installed; on other devices optimum-quanto when installed; else native), ``"native"`` (hf_accel
+            kernels), ``"bitsandbytes"`` (``Linear8bitLt``; needs ``pip install "hf_accel[bnb]"``) or ``"quanto"``
+            (optimum-quanto's ``QLinear`` with qint8 weights, per output row; needs ``pip install optimum-quanto``).
         group_size: quantize per group of this many input features; ``None`` = one scale per output row.
         skip_modules: glob patterns of module names left in float.
         keep_original: keep the float weights so ``unpatch_model`` restores them exactly.
@@ -233,7 +235,7 @@ class Int8Config:
     threshold: float = 6.0
     activations: str = "float"
 
-    BACKENDS: ClassVar[tuple[str, ...]] = ("auto", "native", "bitsandbytes")
+    BACKENDS: ClassVar[tuple[str, ...]] = ("auto", "native", "bitsandbytes", "quanto")
     ACTIVATIONS: ClassVar[tuple[str, ...]] = ("float", "int8")
 
     def __post_init__(self) -> None:
@@ -251,9 +253,11 @@ class Int8Config:
         object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold < 0:
             _fail(type(self), "threshold", "must be a number >= 0", self.threshold)
-        if self.backend == "bitsandbytes" and self.group_size is not None:
-            rule = "must be None with backend='bitsandbytes' (row scales only)"
+        if self.backend in ("bitsandbytes", "quanto") and self.group_size is not None:
+            rule = f"must be None with backend={self.backend!r} (row scales only)"
             _fail(type(self), "group_size", rule, self.group_size)
+        if self.activations == "int8" and self.backend == "quanto":
+            _fail(type(self), "activations", "must be 'float' with backend='quanto' (weight-only)", self.activations)
 
 
 @dataclass(frozen=True)

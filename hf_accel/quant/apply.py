@@ -1,6 +1,7 @@
 """Adapter: swap a model's linears (decoder layers + LM head) for int8 ones, recorded.
 
-Backends: ``"native"`` (:class:`Int8Linear`, hf_accel's kernels) and ``"bitsandbytes"`` (``Linear8bitLt``).
+Backends: ``"native"`` (:class:`Int8Linear`, hf_accel's kernels), ``"bitsandbytes"`` (``Linear8bitLt``) and
+``"quanto"`` (optimum-quanto's ``QLinear``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .core import dequantize, quantize
 from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
 from .model_apis import bind_model_apis, warn_lossy_unpatch
+from .quanto import is_quanto_linear, quanto_dequantize, quanto_module, to_quanto_linear
 
 __all__ = ["apply_int8", "quantize_linears", "resolve_backend"]
 
@@ -43,20 +45,27 @@ def resolve_backend(config: Int8Config, device: torch.device) -> str:
     ``"auto"`` picks ``"native"`` on CPU (its AVX2 kernel decodes ~3x faster than fp32 here, bitsandbytes
     ~1x) and whenever a ``group_size`` is set (bitsandbytes has row scales only); on CUDA it picks
     ``"bitsandbytes"`` when installed (real int8 GEMMs; the native backend has no CUDA kernel and
-    de-quantizes per call there), else ``"native"``. W8A8 (``activations="int8"``) is native only.
+    de-quantizes per call there); on CUDA without it and on other devices (MPS) ``"quanto"`` when optimum-quanto
+    is installed; else ``"native"``. W8A8 (``activations="int8"``) is native only.
     """
     if config.backend != "auto":
         return config.backend
     row_scales = config.group_size is None and config.activations == "float"
-    if device.type == "cuda" and row_scales and importlib.util.find_spec("bitsandbytes") is not None:
+    if device.type == "cpu" or not row_scales:
+        return "native"
+    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
         return "bitsandbytes"
+    if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
+        return "quanto"  # real int8 layers where the native backend would de-quantize per call (CUDA, MPS)
     return "native"
 
 
 def _check(model: nn.Module, config: Int8Config, backend: str) -> None:
     if backend == "bitsandbytes":
         bnb_module()  # a clear FeatureNotAvailableError when it is not installed
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if backend == "quanto":
+        quanto_module()
+    if any(isinstance(m, Int8Linear) or is_quanto_linear(m) for m in model.modules()):
         raise IncompatibleOptionsError("the model already holds Int8Linear layers; it is quantized already")
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -124,6 +133,11 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             "hf_accel: bitsandbytes int8 on CPU de-quantizes its weights on every call: about fp32 speed "
             "(0.7-1.1x measured on this CPU) against ~3x for Int8Config(backend='native'), the fast CPU backend"
         )
+    if backend == "quanto" and embed.weight.device.type == "cpu":
+        logger.warning(
+            "hf_accel: optimum-quanto int8 on CPU decodes slower than fp32 (0.46x at batch 1, 0.68x at batch 8 on "
+            "SmolLM2, docs/int8.md) against ~2.3x for Int8Config(backend='native'), the fast CPU backend"
+        )
     for module in model.modules():
         if is_bnb_linear(module):
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
@@ -159,6 +173,10 @@ def quantize_linears(
         if backend == "bitsandbytes":
             new = to_bnb_linear(linear, config.threshold)
             _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: bnb_dequantize(m, dt))
+            continue
+        if backend == "quanto":
+            new = to_quanto_linear(linear)
+            _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: quanto_dequantize(m, dt))
             continue
         new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
         _record_choice(recorder, new, linear.weight.device)

@@ -2,7 +2,7 @@
 ``resize_token_embeddings`` and ``save_pretrained`` are bound on the instance (recorded; ``unpatch_model`` removes
 them), so tools that call them (lm-evaluation-harness's ``HFLM``, ``accelerate``) keep working or get a typed error
 that says what to do. ``save_pretrained`` (native backend) writes a plain float checkpoint of the de-quantized
-weights; bitsandbytes layers refuse it.
+weights; bitsandbytes and optimum-quanto layers refuse it.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _refuse_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     raise IncompatibleOptionsError(
-        "this model's linear layers are bitsandbytes int8 (hf_accel's int8 feature), which Transformers' "
-        "save_pretrained / from_pretrained cannot round-trip without a quantization_config. Save with "
+        "this model's linear layers are bitsandbytes / optimum-quanto int8 layers (hf_accel's int8 feature), which "
+        "Transformers' save_pretrained / from_pretrained cannot round-trip without a quantization_config. Save with "
         "hf_accel.save_quantized(model, folder), or call hf_accel.unpatch_model(model) first to save float weights"
     )
 
@@ -107,7 +107,7 @@ def bind_model_apis(model: nn.Module, recorder: Recorder, backend: str) -> None:
     save = (
         (_save_pretrained, "save_pretrained writes de-quantized weights")
         if backend == "native"
-        else (_refuse_save_pretrained, "save_pretrained refused (bitsandbytes int8)")
+        else (_refuse_save_pretrained, f"save_pretrained refused ({backend} int8)")
     )
     apis = {
         "tie_weights": (_tie_weights, "tie_weights: int8 lookup tied structurally"),

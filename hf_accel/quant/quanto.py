@@ -1,0 +1,51 @@
+"""The optimum-quanto int8 backend: ``QLinear`` layers with qint8 weights (one scale per output row).
+
+optimum-quanto is an optional dependency (``pip install optimum-quanto``), imported only when this backend is
+used. It serves devices hf_accel's native kernels do not cover (CUDA without bitsandbytes, Apple MPS); on the CPU the
+native backend is faster (docs/int8.md has the measured figures).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from ..core.errors import FeatureNotAvailableError
+
+__all__ = ["is_quanto_linear", "quanto_dequantize", "quanto_module", "to_quanto_linear"]
+
+
+def quanto_module() -> ModuleType:
+    """The imported ``optimum.quanto`` package.
+
+    Raises:
+        FeatureNotAvailableError: it is not installed.
+    """
+    try:
+        return importlib.import_module("optimum.quanto")
+    except ImportError as exc:
+        raise FeatureNotAvailableError(
+            "Int8Config(backend='quanto') needs optimum-quanto: pip install optimum-quanto"
+        ) from exc
+
+
+def is_quanto_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an optimum-quanto ``QLinear`` (by class and module path: never imports quanto)."""
+    cls = type(module)
+    return cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto")
+
+
+def to_quanto_linear(linear: nn.Linear) -> nn.Module:
+    """A frozen ``QLinear`` with qint8 weights built from ``linear`` (which is not modified)."""
+    quanto = quanto_module()
+    layer = quanto.QLinear.from_module(linear, weights=quanto.qint8)
+    layer.freeze()  # the weight is stored quantized from now on
+    return layer
+
+
+def quanto_dequantize(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The float ``[out, in]`` weight a ``QLinear`` computes with."""
+    return module.qweight.dequantize().to(dtype)
