@@ -18,3 +18,20 @@ def test_build_lock_clears_a_lock_file_left_by_a_killed_build(tmp_path, caplog):
     assert f"removing {tmp_path / 'lock'} left by an interrupted build" in caplog.text
     with build._build_lock(tmp_path):  # released on exit: a second build takes it again at once
         assert (tmp_path / "hf_accel.lock").exists()
+
+
+def test_a_long_build_logs_progress_until_it_ends(caplog):
+    import time
+
+    from hf_accel.kernels.build import ticking
+
+    with caplog.at_level("WARNING", logger="hf_accel"):
+        with ticking("building the test kernels", every=0.05):
+            time.sleep(0.18)
+        ticks = [r.getMessage() for r in caplog.records]
+        time.sleep(0.12)  # none after the block
+    assert len(ticks) >= 2 and all(t.startswith("hf_accel: still building the test kernels (") for t in ticks)
+    assert len(caplog.records) == len(ticks)
+    with caplog.at_level("WARNING", logger="hf_accel"), ticking("nothing", active=False, every=0.01):
+        time.sleep(0.05)
+    assert len(caplog.records) == len(ticks)

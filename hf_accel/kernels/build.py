@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -101,6 +102,28 @@ def _sources() -> list[Path]:
     return sorted(SOURCES.glob("*.cpp"))
 
 
+@contextlib.contextmanager
+def ticking(what: str, active: bool = True, every: float = 20.0) -> Iterator[None]:
+    """While the block runs, log ``"hf_accel: still <what> (N s so far)"`` at WARNING level every ``every`` seconds,
+    so a long one-time step (a kernel build) never looks like a hang."""
+    if not active:
+        yield
+        return
+    done, started = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not done.wait(every):
+            logger.warning("hf_accel: still %s (%.0f s so far)", what, time.perf_counter() - started)
+
+    thread = threading.Thread(target=tick, name="hf_accel-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def _build(isa: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -113,7 +136,7 @@ def _build(isa: str) -> ModuleType:
     if fresh:
         logger.warning("hf_accel: building the %s CPU kernels once (one to two minutes) in %s", isa, build_dir)
     started = time.perf_counter()
-    with _build_lock(build_dir):
+    with _build_lock(build_dir), ticking(f"building the {isa} CPU kernels (once per machine)", fresh):
         module = load(
             name=f"hf_accel_cpu_{isa}",
             sources=[str(p) for p in _sources()],
