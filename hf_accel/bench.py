@@ -72,26 +72,27 @@ def _self_spec() -> dict[str, Any]:
     return {"speculative": SelfSpeculative("int8")}
 
 
-def _no_quanto() -> str | None:
+def _missing(load: Callable[[], object]) -> str | None:
+    """Why an optional backend cannot run here (``load()`` raised ``FeatureNotAvailableError``), or ``None``."""
     from .core.errors import FeatureNotAvailableError
-    from .quant.quanto import quanto_module
 
     try:
-        quanto_module()
+        load()
     except FeatureNotAvailableError as exc:
         return str(exc)
     return None
+
+
+def _no_quanto() -> str | None:
+    from .quant.quanto import quanto_module
+
+    return _missing(quanto_module)
 
 
 def _no_bnb() -> str | None:
-    from .core.errors import FeatureNotAvailableError
     from .quant.bnb import bnb_module
 
-    try:
-        bnb_module()
-    except FeatureNotAvailableError as exc:
-        return str(exc)
-    return None
+    return _missing(bnb_module)
 
 
 _SPEC = "speculation"  # the gain of speculative rows is described from their stats (_speculative_gain)

@@ -12,7 +12,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from torch import nn
@@ -189,8 +189,8 @@ async def _events(server: _Server, rid: int, tail: TextTail, chat: bool) -> Asyn
         if chat:
             yield _chunk(server, name, chat, None, None, first=True)
         try:
-            async for new in iterate_in_threadpool(_batched(server.engine.stream(rid))):
-                piece = tail.feed(new)
+            async for token in iterate_in_threadpool(server.engine.stream(rid)):
+                piece = tail.feed([token])
                 if piece:
                     yield _chunk(server, name, chat, piece, None, first=False)
             rest, finish = tail.finish(), server.finish_reason(rid)
@@ -202,11 +202,6 @@ async def _events(server: _Server, rid: int, tail: TextTail, chat: bool) -> Asyn
         yield "data: [DONE]\n\n"
     finally:
         server.cancel(rid)
-
-
-def _batched(tokens: Iterator[int]) -> Iterator[list[int]]:
-    for token in tokens:
-        yield [token]
 
 
 async def _complete(server: _Server, rid: int, tail: TextTail, chat: bool, request: Any) -> dict[str, Any]:

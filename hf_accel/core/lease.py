@@ -1,13 +1,17 @@
 """Objects a patched model keeps across ``generate`` calls (a paged cache, a speculative strategy), each lent to one
-call at a time: concurrent calls from several threads each get their own, made on demand and kept for reuse."""
+call at a time: concurrent calls from several threads each get their own, made on demand and kept for reuse; and
+:func:`exclusive`, the guard that keeps an object a user passes in from serving two calls at once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["LeasePool"]
+from .errors import IncompatibleOptionsError
+
+__all__ = ["LeasePool", "exclusive"]
 
 T = TypeVar("T")
 
@@ -57,3 +61,26 @@ class LeasePool(Generic[T]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LeasePool, (self._keep,))
+
+
+_BUSY: set[int] = set()  # ids of the objects serving a call now (alive: the call holds them)
+_BUSY_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def exclusive(objects: Sequence[object], busy: Callable[[], str]) -> Iterator[None]:
+    """Mark ``objects`` as serving this call until the block ends.
+
+    Raises:
+        IncompatibleOptionsError: one of them is serving another call now (message: ``busy()``).
+    """
+    ids = [id(o) for o in objects]
+    with _BUSY_LOCK:
+        if any(i in _BUSY for i in ids):
+            raise IncompatibleOptionsError(busy())
+        _BUSY.update(ids)
+    try:
+        yield
+    finally:
+        with _BUSY_LOCK:
+            _BUSY.difference_update(ids)

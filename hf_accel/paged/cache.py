@@ -11,9 +11,8 @@ Transformers sees is the padded one. ``update`` copies nothing: it tags the new 
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -23,6 +22,7 @@ from transformers.cache_utils import Cache
 from ..core.config import parse_bytes
 from ..core.errors import CacheFullError, IncompatibleOptionsError, UnsupportedModelError
 from ..core.fingerprint import weights_fingerprint
+from ..core.lease import exclusive
 from ..core.protocols import RowRollback
 from ..core.registry import supported_model_types
 from .attention import attention_choice
@@ -36,7 +36,6 @@ from .stats import cache_stats
 __all__ = ["PagedCache"]
 
 T = TypeVar("T")
-_SERVING_LOCK = threading.Lock()
 
 
 class PagedCache(Cache, RowRollback):
@@ -112,7 +111,6 @@ class PagedCache(Cache, RowRollback):
         self._pinned: StepPlan | None = None
         self.prefix_hit_tokens = self.prompt_tokens = self.peak_blocks_used = self.prefix_drops = 0
         self._weights = weights_fingerprint(model) if self.prefix_cache else None  # what the K/V are computed with
-        self._serving = False  # a generate call holds it (serving())
 
     @classmethod
     def from_config(cls, model: nn.Module, config: Any) -> PagedCache:
@@ -138,24 +136,19 @@ class PagedCache(Cache, RowRollback):
     def pinned_plan(self) -> StepPlan | None:  # the Engine's packed plan of the next forward (pin_packed), or None
         return self._pinned
 
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
+    def serving(self) -> contextlib.AbstractContextManager[None]:
         """Hold the cache for one ``generate`` call (a cache holds one batch: a second call meanwhile is refused).
 
         Raises:
             IncompatibleOptionsError: another call (another thread) is using this cache now.
         """
-        with _SERVING_LOCK:
-            if self._serving:
-                raise IncompatibleOptionsError(
-                    "this PagedCache is serving another generate call (another thread); a cache holds one batch at a "
-                    "time: build one per thread, or pass paged=True (each call then gets its own)"
-                )
-            self._serving = True
-        try:
-            yield
-        finally:
-            self._serving = False
+        return exclusive(
+            [self],
+            lambda: (
+                "this PagedCache is serving another generate call (another thread); a cache holds one batch at a "
+                "time: build one per thread, or pass paged=True (each call then gets its own)"
+            ),
+        )
 
     def belongs_to(self, model: nn.Module) -> bool:
         """Whether this cache was built for ``model`` (a weak reference: never confused with a later object)."""

@@ -7,13 +7,12 @@ through an int8 GEMM. It is built for CUDA; on CPU it runs, slower than float (m
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from ..core.errors import FeatureNotAvailableError
+from .optional import is_layer_of, optional_module
 
 __all__ = ["bnb_dequantize", "bnb_module", "is_bnb_linear", "to_bnb_linear"]
 
@@ -27,13 +26,11 @@ def bnb_module() -> ModuleType:
     Raises:
         FeatureNotAvailableError: bitsandbytes is not installed.
     """
-    try:
-        return importlib.import_module("bitsandbytes")
-    except ImportError as exc:
-        raise FeatureNotAvailableError(
-            "int8 backend 'bitsandbytes' needs the bitsandbytes package: pip install 'hf_accel[bnb]' "
-            "(or use Int8Config(backend='native'))"
-        ) from exc
+    return optional_module(
+        "bitsandbytes",
+        "int8 backend 'bitsandbytes' needs the bitsandbytes package: pip install 'hf_accel[bnb]' "
+        "(or use Int8Config(backend='native'))",
+    )
 
 
 def is_bnb_linear(module: nn.Module) -> bool:
@@ -41,8 +38,7 @@ def is_bnb_linear(module: nn.Module) -> bool:
 
     Checked by class name and module path, so it never imports bitsandbytes.
     """
-    cls = type(module)
-    return cls.__name__ == "Linear8bitLt" and cls.__module__.startswith("bitsandbytes")
+    return is_layer_of(module, "Linear8bitLt", "bitsandbytes")
 
 
 def to_bnb_linear(linear: nn.Linear, threshold: float) -> nn.Module:

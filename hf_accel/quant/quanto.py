@@ -7,13 +7,12 @@ native backend is faster (docs/int8.md has the measured figures).
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from ..core.errors import FeatureNotAvailableError
+from .optional import is_layer_of, optional_module
 
 __all__ = ["is_quanto_linear", "quanto_dequantize", "quanto_module", "to_quanto_linear"]
 
@@ -24,18 +23,14 @@ def quanto_module() -> ModuleType:
     Raises:
         FeatureNotAvailableError: it is not installed.
     """
-    try:
-        return importlib.import_module("optimum.quanto")
-    except ImportError as exc:
-        raise FeatureNotAvailableError(
-            "Int8Config(backend='quanto') needs optimum-quanto: pip install optimum-quanto"
-        ) from exc
+    return optional_module(
+        "optimum.quanto", "Int8Config(backend='quanto') needs optimum-quanto: pip install optimum-quanto"
+    )
 
 
 def is_quanto_linear(module: nn.Module) -> bool:
     """Whether ``module`` is an optimum-quanto ``QLinear`` (by class and module path: never imports quanto)."""
-    cls = type(module)
-    return cls.__name__ == "QLinear" and cls.__module__.startswith("optimum.quanto")
+    return is_layer_of(module, "QLinear", "optimum.quanto")
 
 
 def to_quanto_linear(linear: nn.Linear) -> nn.Module:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..core.errors import IncompatibleOptionsError
-from ..core.lease import LeasePool
+from ..core.lease import LeasePool, exclusive
 from .strategies import Strategy
 
 __all__ = ["KeptStrategies", "claimed"]
@@ -73,10 +72,6 @@ class KeptStrategies:
         return (KeptStrategies, ())
 
 
-_BUSY: set[int] = set()  # ids of the strategies serving a call now (alive: the call holds them)
-_BUSY_LOCK = threading.Lock()
-
-
 def _members(strategy: Strategy) -> list[Strategy]:
     found = [strategy]
     for part in getattr(strategy, "strategies", ()):  # a Composite: its parts serve the call too
@@ -84,24 +79,17 @@ def _members(strategy: Strategy) -> list[Strategy]:
     return found
 
 
-@contextlib.contextmanager
-def claimed(strategy: Strategy) -> Iterator[None]:
+def claimed(strategy: Strategy) -> contextlib.AbstractContextManager[None]:
     """Mark ``strategy`` (and a Composite's parts) as serving this call until the block ends.
 
     Raises:
         IncompatibleOptionsError: it is serving another ``generate`` call now (a Strategy holds per-call state).
     """
-    ids = [id(s) for s in _members(strategy)]
-    with _BUSY_LOCK:
-        if any(i in _BUSY for i in ids):
-            raise IncompatibleOptionsError(
-                f"{strategy!r} is serving another generate call: a Strategy instance holds per-call state and serves "
-                "one call at a time. Give each thread its own instance, or use the generate keywords "
-                "(prompt_lookup=True, draft_model=..., speculative=True), which lend each call its own strategy"
-            )
-        _BUSY.update(ids)
-    try:
-        yield
-    finally:
-        with _BUSY_LOCK:
-            _BUSY.difference_update(ids)
+    return exclusive(
+        _members(strategy),
+        lambda: (
+            f"{strategy!r} is serving another generate call: a Strategy instance holds per-call state and serves "
+            "one call at a time. Give each thread its own instance, or use the generate keywords "
+            "(prompt_lookup=True, draft_model=..., speculative=True), which lend each call its own strategy"
+        ),
+    )
