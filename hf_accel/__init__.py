@@ -36,6 +36,7 @@ from .fused import FusedGatedMLP
 from .models import load_default, load_model
 from .paged.cache import PagedCache
 from .patch import is_patched, last_stats, patch_model, patch_report, unpatch_model
+from .quant.hf_quantizer import is_quantizer_registered, register_quantizer, unregister_quantizer
 
 __version__ = "0.1.0"
 
@@ -68,13 +69,16 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "is_patched",
+    "is_quantizer_registered",
     "last_stats",
     "load_default",
     "load_model",
     "load_quantized",
     "patch_model",
     "patch_report",
+    "register_quantizer",
     "save_quantized",
     "supported_model_types",
     "unpatch_model",
+    "unregister_quantizer",
 ]

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core.config import Int8Config
+from .core.config import AccelConfig, Int8Config
 from .core.errors import IncompatibleOptionsError
 from .core.metrics import GenerationStats
-from .patch import last_stats, patch_model, unpatch_model
+from .patch import last_stats, patch_model, patch_report, unpatch_model
 
 __all__ = ["TECHNIQUES", "BenchResult", "parse_techniques", "run_bench"]
 
@@ -51,7 +51,8 @@ class Technique:
 
     Args:
         name: the ``--techniques`` name.
-        patch: ``patch_model`` keywords.
+        patch: the features on (``patch_model`` keywords over an empty ``AccelConfig``); ``None``: the default patch
+            (``patch_model(model)``).
         generate: ``generate`` keywords.
         lossless: greedy output must equal the baseline's.
         unavailable: why the technique cannot run in this version/device (``None`` = it can).
@@ -59,7 +60,7 @@ class Technique:
     """
 
     name: str
-    patch: dict[str, Any]
+    patch: dict[str, Any] | None
     generate: dict[str, Any] = field(default_factory=dict)
     lossless: bool = True
     unavailable: Callable[[], str | None] = lambda: None
@@ -100,6 +101,7 @@ TECHNIQUES: dict[str, Technique] = {
     t.name: t
     for t in (
         Technique("baseline", dict(_PLAIN), gain="-"),
+        Technique("default", None, gain=_SPEC),  # what patch_model(model) turns on for this model and device
         Technique("fused", {**_PLAIN, "fused_mlp": True}, gain="one gate+up matmul per MLP"),
         Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}, gain="paged KV (no padding) + paged attention"),
         Technique(
@@ -277,7 +279,18 @@ def _measure(
     row.peak_rss_mib = last.peak_memory_bytes / 2**20 if last.peak_memory_bytes else None
     row.acceptance = last.speculative["acceptance_rate"] if last.speculative else None
     row.gain_from = _speculative_gain(last.speculative) if tech.gain == _SPEC and last.speculative else tech.gain
+    if tech.patch is None:  # the default patch: what it chose here, then where the speed came from
+        uses = patch_report(model)["implementations"].get("default", {}).get("configuration", {}).get("uses", "")
+        row.gain_from = f"{uses}; {row.gain_from}" if last.speculative else uses
     return row, out
+
+
+def _patch(model: nn.Module, tech: Technique) -> None:
+    """Patch ``model`` as ``tech`` says: exactly its features, or the default patch."""
+    if tech.patch is None:
+        patch_model(model)
+    else:
+        patch_model(model, AccelConfig(), **tech.patch)
 
 
 def run_bench(
@@ -312,8 +325,9 @@ def run_bench(
     total = len(techniques) * len(batches) * (repeats + 1)
     bar = tqdm(total=total, desc="hf-accel bench", disable=not progress, unit="run")
     for tech in techniques:
-        bar.set_postfix_str(f"{tech.name} (warm-up{' + compile' if tech.patch.get('compile') else ''})")
-        patch_model(model, **tech.patch)
+        compiles = tech.patch is not None and tech.patch.get("compile")
+        bar.set_postfix_str(f"{tech.name} (warm-up{' + compile' if compiles else ''})")
+        _patch(model, tech)
         try:
             gen_kwargs = dict(tech.generate)
             if gen_kwargs.pop("self_spec", False):

@@ -30,9 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="default", help="local model folder, or 'default' (SmolLM2-135M)")
     bench.add_argument(
         "--techniques",
-        default="baseline,fused,paged,int8,prompt-lookup,self-spec",
-        help="comma-separated: baseline, fused, paged, compile, native, int8, w8a8, bnb, quanto, prompt-lookup, draft, "
-        "self-spec, self-spec+native, all",
+        default="baseline,default,fused,paged,int8,prompt-lookup,self-spec",
+        help="comma-separated: baseline, default (what patch_model(model) runs here), fused, paged, compile, native, "
+        "int8, w8a8, bnb, quanto, prompt-lookup, draft, self-spec, self-spec+native, all",
     )
     bench.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
     bench.add_argument("--prompts", default="chat", help='chat, grounded, or a .jsonl file of {"prompt": ...}')

@@ -22,6 +22,7 @@ from .core.recorder import Recorder
 from .core.state import PatchState
 from .paged.cache import PagedCache
 from .speculative.apply import STATS_NOTE
+from .speculative.auto import AUTO_NOTE
 
 __all__ = ["PLUGIN_KWARGS", "bind_generate"]
 
@@ -117,6 +118,7 @@ def _measure(model: nn.Module, call: GenerateCall, clock: StepClock, out: Any, d
         kv=_kv_bytes(call, out, fraction),
         peak_memory=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         speculative=spec.as_dict() if spec is not None else None,
+        speculation_skipped=call.notes.get(AUTO_NOTE),
     )
 
 

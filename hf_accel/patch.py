@@ -14,20 +14,23 @@ from typing import Any
 from torch import nn
 
 from .compile.apply import apply_compile, bind_compile, plain_compile
-from .core.config import AccelConfig, FusedMLPConfig, PagedConfig, SpeculativeConfig
+from .core.config import AccelConfig, FusedMLPConfig, NativeConfig, PagedConfig, SpeculativeConfig
 from .core.errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .core.recorder import Recorder
-from .core.registry import ModelParts, resolve
+from .core.registry import ModelParts, decoder_linears, get_spec, resolve
 from .core.state import STATE_ATTR, Feature, PatchState, get_state
 from .engine.apply import bind_generate_many
 from .fused.apply import apply_fused_mlp
 from .generate import bind_generate
-from .native.apply import apply_native
+from .native.apply import apply_native, native_unavailable
 from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8
+from .quant.bnb import is_bnb_linear
+from .quant.linear import Int8Linear
+from .quant.quanto import is_quanto_linear
 from .speculative.apply import apply_speculative, bind_speculative
 
-__all__ = ["FEATURES", "is_patched", "patch_model", "patch_report", "unpatch_model"]
+__all__ = ["FEATURES", "default_config", "is_patched", "patch_model", "patch_report", "unpatch_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +51,58 @@ FEATURES: dict[str, Feature] = {
 }
 
 
-def default_config() -> AccelConfig:
-    """The config ``patch_model(model)`` uses: every implemented lossless feature, with its defaults."""
-    return AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
+def default_config(model: nn.Module | None = None) -> AccelConfig:
+    """The config ``patch_model(model)`` uses: every implemented lossless feature that pays on ``model``'s device.
+
+    Everywhere: fused MLPs, and the paged cache and speculation on request per ``generate`` call. On the CPU, for a
+    model the native executor serves (the Llama family in float32), also the executor (``native``) and automatic
+    self-speculation of greedy calls (``SpeculativeConfig(auto="self")``: an int8 copy drafts, the model verifies,
+    the output is the model's own greedy output), measured 2.4-2.9x the unpatched model's decode on SmolLM2-135M
+    (docs/log/2026-12-06-defaults.md); the executor alone 1.56x. Elsewhere (CUDA, other architectures) the
+    keyword-only defaults stay until they are measured there. Without ``model``: the device-independent part.
+    """
+    base = AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
+    if model is None or _cpu_refusal(model) is not None:
+        return base
+    auto = "self" if _float_linears(model) else None
+    return dataclasses.replace(base, native=NativeConfig(), speculative=SpeculativeConfig(auto=auto))
+
+
+def _cpu_refusal(model: nn.Module) -> str | None:
+    """Why the CPU default (native executor + automatic self-speculation) does not apply to ``model``."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return f"weights on {device.type} (the CPU default is measured on the CPU only)"
+    why = native_unavailable(model)
+    return None if why is None else f"the native executor cannot serve it: {why}"
+
+
+def _float_linears(model: nn.Module) -> bool:
+    """Whether the decoder's linears are float ``nn.Linear`` (not int8 already: then an int8 draft saves nothing)."""
+    quantized = any(isinstance(m, Int8Linear) or is_bnb_linear(m) or is_quanto_linear(m) for m in model.modules())
+    return not quantized and bool(decoder_linears(model, get_spec(model)))
+
+
+def _default_for(model: nn.Module, overrides: dict[str, Any], recorder: Recorder) -> AccelConfig:
+    """``default_config(model)`` adjusted to the overrides (an int8 model drafts for itself: no automatic
+    self-speculation; ``compile=`` packs the weights: no executor), with the choice recorded for ``patch_report``."""
+    config = default_config(model)
+    why = _cpu_refusal(model)
+    notes = []
+    if config.speculative.auto is not None and any(overrides.get(n) not in (None, False) for n in ("int8", "compile")):
+        config = dataclasses.replace(config, speculative=SpeculativeConfig())
+        notes.append("int8= / compile= asked for: no automatic self-speculation (int8 weights would draft for "
+                     "themselves; compile= wants its compiled steps)")  # fmt: skip
+    if config.native is not None and overrides.get("compile") not in (None, False) and "native" not in overrides:
+        config = dataclasses.replace(config, native=None)  # the executor cannot read pre-packed weights
+        notes.append("compile= packs the weights, which the executor does not read (pass native=True too for it)")
+    why = why or ("; ".join(notes) if notes else None)
+    parts = ["native executor"] if config.native is not None else []
+    parts += ["automatic self-speculation of greedy calls"] if config.speculative.auto is not None else []
+    uses = " + ".join(parts) or "keyword-only features"
+    recorder.choose("default", "configuration", uses, "the fastest lossless configuration measured on this device",
+                    {} if why is None else {"native executor + automatic self-speculation": why})  # fmt: skip
+    return config
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -72,7 +124,8 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
 
     Args:
         model: a ``*ForCausalLM`` model whose ``config.model_type`` is in the registry.
-        config: the features to turn on; default: every implemented lossless feature.
+        config: the features to turn on; default: :func:`default_config` for this model (the fastest lossless
+            configuration measured on its device).
         **feature_overrides: per-feature switches applied on top of ``config``: ``paged=``, ``speculative=``,
             ``fused_mlp=``, ``compile=``, ``int8=``; each ``True``/``False`` or that feature's config object.
 
@@ -94,10 +147,10 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
         )
     if config is not None and not isinstance(config, AccelConfig):
         raise IncompatibleOptionsError(f"config must be an AccelConfig or None, got {type(config).__name__}")
-    config = (config or default_config()).with_overrides(**feature_overrides)
-    parts = resolve(model)
-    _check_available(config)
     recorder = Recorder()
+    parts = resolve(model)  # an unsupported model: its typed error before anything looks at it
+    config = (config or _default_for(model, feature_overrides, recorder)).with_overrides(**feature_overrides)
+    _check_available(config)
     state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder, features=FEATURES)
     try:
         for name in config.enabled():

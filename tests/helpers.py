@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from hf_accel.core.config import SpeculativeConfig
 from hf_accel.core.registry import supported_model_types
 
 ARCHS = supported_model_types()
@@ -96,3 +97,8 @@ def cpu_build(isa: str | None = None):
     if isa is None:
         isa = isas[0] if isas else None
     return extension(isa) if isa in isas else None
+
+
+#: ``patch_model`` keywords that keep greedy calls decoding one token per step (the default patch speculates them
+#: automatically on the CPU for the Llama family): for tests that count or inspect plain decoding steps
+NO_AUTO_SPECULATION = {"speculative": SpeculativeConfig()}

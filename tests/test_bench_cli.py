@@ -93,7 +93,7 @@ def test_bench_all_skips_what_cannot_run_and_says_why(tiny_folder, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--techniques", "turbo"], "unknown technique(s) turbo; choose from baseline, fused"),
+        (["--techniques", "turbo"], "unknown technique(s) turbo; choose from baseline, default, fused"),
         (["--techniques", "draft"], "technique 'draft' cannot run here: needs --draft-model PATH"),
         (["--json", "/nonexistent/dir/r.json"], "--json '/nonexistent/dir/r.json' cannot be written"),
         (["--model", "/nonexistent/model"], "is not a local model folder (no config.json there)"),

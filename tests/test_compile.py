@@ -247,3 +247,15 @@ def test_real_model_greedy_identical(default_model, mlp):
         again = model.generate(**inputs, max_new_tokens=24, do_sample=False)
     assert torch.equal(got, expected) and torch.equal(paged, expected)
     assert torch.equal(again, expected)
+
+
+def test_weights_packed_under_inference_mode_fingerprint_for_the_prefix_cache():
+    """Packing inside ``torch.inference_mode()`` makes inference tensors (no version counter): the prefix cache's
+    weights fingerprint must still be computable."""
+    plain = tiny_model("llama")
+    with torch.inference_mode():
+        model = hf_accel.patch_model(tiny_model("llama"), compile=CompileConfig(decode_step=False))
+        ids, mask = random_batch(2, [6, 9], seed=3)
+        kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        got = model.generate(**kwargs, paged=hf_accel.PagedConfig(prefix_cache=True))
+        assert torch.equal(got, plain.generate(**kwargs))

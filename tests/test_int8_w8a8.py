@@ -235,7 +235,7 @@ def test_int8_kernels_run_inside_the_compiled_paged_step(activations):
 
     cfg = hf_accel.Int8Config(activations=activations)
     trace = hf_accel.CompileConfig(backend="eager", fullgraph=True)
-    eager = hf_accel.patch_model(tiny_model("llama"), int8=cfg)
+    eager = hf_accel.patch_model(tiny_model("llama"), int8=cfg, native=False)  # the modules' own maths, eagerly
     compiled = hf_accel.patch_model(tiny_model("llama"), int8=cfg, compile=trace)
     assert isinstance(compiled.forward, CompiledPagedDecode)
     ids, mask = random_batch(3, [4, 9, 6], seed=6)

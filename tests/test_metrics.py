@@ -12,7 +12,7 @@ from hf_accel.core.metrics import GenerationStats, StepClock
 
 
 def test_stats_of_a_plain_call_count_exactly():
-    model = hf_accel.patch_model(tiny_model("llama"))
+    model = hf_accel.patch_model(tiny_model("llama"), speculative=hf_accel.SpeculativeConfig())  # no auto speculation
     assert hf_accel.last_stats(model) is None
     ids, mask = random_batch(3, [5, 9, 3], seed=1)
     out = model.generate(

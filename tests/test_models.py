@@ -79,8 +79,9 @@ def test_demo_command(default_model, capsys):
 
     assert main(["demo", "--max-new-tokens", "8", "--prompt", "Say hello.", "--repeats", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| patched   |" in out and "| + native  |" in out and "| yes       |" in out and "| NO" not in out
-    assert "patched features: fused_mlp" in out and "medians over 2 interleaved repeats of 1 prompt(s)" in out
+    assert "| patched   |" in out and "| + int8    |" in out and "| yes       |" in out and "| NO" not in out
+    assert "patched (the default patch): fused_mlp, paged, speculative, native; native executor + automatic " in out
+    assert "medians over 2 interleaved repeats of 1 prompt(s)" in out
     assert "| vs unpatched |" in out and "1.00x | -" in out
 
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_close, random_batch, tiny_model
+from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, tiny_model
 from transformers import DynamicCache, StaticCache
 
 import hf_accel
@@ -28,7 +28,7 @@ def _pair(arch: str, init: float = 0.2, **patch):
     if arch == "mistral":
         overrides["sliding_window"] = None
     plain = tiny_model(arch, **overrides)
-    patched = hf_accel.patch_model(tiny_model(arch, **overrides), native=True, **patch)
+    patched = hf_accel.patch_model(tiny_model(arch, **overrides), native=True, **{**NO_AUTO_SPECULATION, **patch})
     return plain, patched
 
 
@@ -67,7 +67,9 @@ def test_prompt_and_step_logits_match_the_models_forward(arch):
 
 def test_prompts_false_runs_only_the_decode_steps_natively():
     plain = tiny_model("llama")
-    patched = hf_accel.patch_model(tiny_model("llama"), native=hf_accel.NativeConfig(prompts=False))
+    patched = hf_accel.patch_model(
+        tiny_model("llama"), native=hf_accel.NativeConfig(prompts=False), **NO_AUTO_SPECULATION
+    )
     ids, mask = random_batch(2, [4, 8], seed=1)
     expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **NO_EOS)
     assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **NO_EOS), expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, EOS, PAD, assert_close, chat_batch, random_batch, tiny_model
+from helpers import ARCHS, EOS, NO_AUTO_SPECULATION, PAD, assert_close, chat_batch, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -19,7 +19,7 @@ BATCHES = {1: [5], 3: [3, 17, 33], 8: [1, 7, 15, 16, 17, 31, 33, 40]}
 
 def _pair(arch: str, **overrides):
     plain = tiny_model(arch, **overrides)
-    patched = hf_accel.patch_model(tiny_model(arch, **overrides))
+    patched = hf_accel.patch_model(tiny_model(arch, **overrides), **NO_AUTO_SPECULATION)  # the paged path itself
     return plain, patched
 
 
@@ -351,7 +351,8 @@ def test_unpatch_restores_attention_and_plain_generate_is_untouched():
 def test_plain_generate_of_an_sdpa_model_skips_the_grouped_kv_copies(monkeypatch, cache_implementation):
     import transformers.integrations.sdpa_attention as sdpa
 
-    plain, patched = _pair("llama")  # sdpa, 4 query heads sharing 2 K/V heads
+    plain = tiny_model("llama")  # sdpa, 4 query heads sharing 2 K/V heads; the model's own forward (no executor):
+    patched = hf_accel.patch_model(tiny_model("llama"), native=False, **NO_AUTO_SPECULATION)  # the same SDPA maths
     assert plain.config._attn_implementation == "sdpa" and plain.config.num_key_value_heads == 2
     copies, seen = [], []
     repeat_kv = sdpa.repeat_kv

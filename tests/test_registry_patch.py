@@ -85,8 +85,18 @@ def test_patch_report_counts_changes():
     assert report["features"] == {
         "fused_mlp": {"eager": False},
         "paged": {"block_size": 16, "num_blocks": None, "max_memory": None, "prefix_cache": False, "attention": "auto"},
-        "speculative": {"strategy": "prompt_lookup", "num_tokens": None, "adaptive": None, "max_ngram": 3},
+        "speculative": {
+            "strategy": "prompt_lookup",
+            "num_tokens": None,
+            "adaptive": None,
+            "max_ngram": 3,
+            "auto": "self",
+        },
+        "native": {"prompts": True},  # the CPU default for the Llama family
     }
+    assert report["implementations"]["default"]["configuration"]["uses"] == (
+        "native executor + automatic self-speculation of greedy calls"
+    )
     assert report["changes"]["paged"] == {
         "hf_accel_paged:sdpa registered with Transformers": 1,
         "attention sdpa -> hf_accel_paged:sdpa": 1,
@@ -97,7 +107,7 @@ def test_patch_report_counts_changes():
 
 
 def test_patch_with_no_features_still_wraps_generate():
-    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False, paged=False, speculative=False)
+    model = hf_accel.patch_model(tiny_model("llama"), fused_mlp=False, paged=False, speculative=False, native=False)
     assert hf_accel.patch_report(model)["features"] == {}
     assert model.config._attn_implementation == "sdpa"
     assert "generate" in model.__dict__

@@ -118,17 +118,24 @@ class SpeculativeConfig:
         adaptive: grow/shrink the number of draft tokens per sequence from acceptance; ``None``: the strategy's
             default (off for prompt lookup, on for model drafts).
         max_ngram: longest n-gram matched by prompt lookup.
+        auto: a strategy (``"self"`` or ``"prompt_lookup"``) that plain greedy ``generate`` calls use without a
+            keyword: calls with ``do_sample=False``, one beam, input ids and no per-step outputs (scores, logits,
+            attentions, hidden states); any other call decodes as usual. ``None``: only the keywords speculate. The
+            default patch sets ``"self"`` on the CPU for the Llama family (``hf_accel.patch.default_config``).
     """
 
     strategy: str = "prompt_lookup"
     num_tokens: int | None = None
     adaptive: bool | None = None
     max_ngram: int = 3
+    auto: str | None = None
 
     STRATEGIES: ClassVar[tuple[str, ...]] = ("prompt_lookup", "draft", "self")
+    AUTO: ClassVar[tuple[str | None, ...]] = (None, "self", "prompt_lookup")
 
     def __post_init__(self) -> None:
         _check_choice(self, "strategy", self.STRATEGIES)
+        _check_choice(self, "auto", self.AUTO)
         _check_int(self, "num_tokens", minimum=1, optional=True)
         _check_int(self, "max_ngram", minimum=1)
         if self.adaptive is not None:
@@ -237,6 +244,9 @@ class Int8Config:
 
     BACKENDS: ClassVar[tuple[str, ...]] = ("auto", "native", "bitsandbytes", "quanto")
     ACTIVATIONS: ClassVar[tuple[str, ...]] = ("float", "int8")
+    #: the name ``from_pretrained(quantization_config=Int8Config(...))`` dispatches on, once
+    #: ``hf_accel.register_quantizer()`` has registered hf_accel's quantizer with Transformers
+    quant_method: ClassVar[str] = "hf_accel_int8"
 
     def __post_init__(self) -> None:
         _check_choice(self, "backend", self.BACKENDS)
@@ -258,6 +268,12 @@ class Int8Config:
             _fail(type(self), "group_size", rule, self.group_size)
         if self.activations == "int8" and self.backend == "quanto":
             _fail(type(self), "activations", "must be 'float' with backend='quanto' (weight-only)", self.activations)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as a JSON-able dict with ``quant_method`` (what Transformers writes to config.json)."""
+        out = dataclasses.asdict(self)
+        out["skip_modules"] = list(self.skip_modules)
+        return {"quant_method": self.quant_method, **out}
 
 
 @dataclass(frozen=True)

@@ -24,18 +24,20 @@ class GenerationTiming:
         ttft_s: seconds from the start of the call to the first generated token.
         decode_s: seconds from the first to the last generated token.
         new_tokens: generated tokens per sequence.
+        first_tokens: tokens that arrived with the first one (speculative decoding emits several per step).
     """
 
     ttft_s: float
     decode_s: float
     new_tokens: int
+    first_tokens: int = 1
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens per second after the first token (per sequence); ``nan`` with fewer than two tokens."""
-        if self.new_tokens < 2 or self.decode_s <= 0:
+        """Tokens per second after the first arrival (per sequence); ``nan`` when nothing came after it."""
+        if self.new_tokens <= self.first_tokens or self.decode_s <= 0:
             return float("nan")
-        return (self.new_tokens - 1) / self.decode_s
+        return (self.new_tokens - self.first_tokens) / self.decode_s
 
 
 class TimingStreamer:
@@ -45,9 +47,11 @@ class TimingStreamer:
         self.inner = inner
         self.start = time.perf_counter()
         self.stamps: list[float] = []
+        self.counts: list[int] = []  # tokens per put
 
     def put(self, value: Any) -> None:
         self.stamps.append(time.perf_counter())
+        self.counts.append(int(value.numel()) if hasattr(value, "numel") else 1)  # a speculative step: several
         if self.inner is not None:
             self.inner.put(value)
 
@@ -57,10 +61,10 @@ class TimingStreamer:
 
     def timing(self) -> GenerationTiming:
         """The timing of the finished call (the first ``put`` is the prompt and is not counted)."""
-        steps = self.stamps[1:]
+        steps, counts = self.stamps[1:], self.counts[1:]
         if not steps:
             return GenerationTiming(float("nan"), 0.0, 0)
-        return GenerationTiming(steps[0] - self.start, steps[-1] - steps[0], len(steps))
+        return GenerationTiming(steps[0] - self.start, steps[-1] - steps[0], sum(counts), counts[0])
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -97,6 +101,8 @@ class GenerationStats:
         peak_memory_bytes: the process's peak so far: CUDA ``max_memory_allocated`` on GPU (never reset by hf_accel:
             call ``torch.cuda.reset_peak_memory_stats()`` before a call to see that call's), peak resident set on CPU.
         speculative: the speculative counters of the call, if it was speculative.
+        speculation_skipped: why a patch that speculates greedy calls automatically (``SpeculativeConfig.auto``,
+            the CPU default) decoded this call as usual (``None``: it speculated, or no automatic speculation is on).
     """
 
     batch: int
@@ -111,6 +117,7 @@ class GenerationStats:
     kv_bytes_used: int | None = None
     peak_memory_bytes: int | None = None
     speculative: dict[str, Any] | None = None
+    speculation_skipped: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -173,6 +180,7 @@ class StepClock:
         kv: tuple[int | None, int | None] = (None, None),
         peak_memory: int | None = None,
         speculative: dict[str, Any] | None = None,
+        speculation_skipped: str | None = None,
     ) -> GenerationStats:
         gaps = self.intervals()
         ttft = (self.stamps[0] - self.start) if self.stamps else end - self.start
@@ -189,4 +197,5 @@ class StepClock:
             kv_bytes_used=kv[1],
             peak_memory_bytes=peak_memory if peak_memory is not None else _resident_peak_bytes(),
             speculative=speculative,
+            speculation_skipped=speculation_skipped,
         )

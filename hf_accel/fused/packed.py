@@ -203,8 +203,10 @@ class PackedLinear(nn.Module):
 
     def hf_accel_fingerprint(self) -> tuple[int, int, int]:
         """What :func:`hf_accel.core.fingerprint.weights_fingerprint` adds for this module (it covers parameters and
-        buffers; the packed weight is neither): loads, the packed tensor's identity and version."""
-        return (self.loads, id(self.packed), self.packed._version)
+        buffers; the packed weight is neither): loads, the packed tensor's identity and version (-1 for an inference
+        tensor, packed under ``torch.inference_mode``: it keeps no counter)."""
+        packed = self.packed
+        return (self.loads, id(packed), -1 if packed.is_inference() else packed._version)
 
     def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
         # the opaque oneDNN tensor has no storage to copy: re-pack the dense values

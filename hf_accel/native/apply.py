@@ -32,7 +32,7 @@ from .growing import GrowingLayer, to_growing
 from .paged import paged_hidden, paged_logits, serves_pool
 from .step import LeanStep
 
-__all__ = ["NativeForward", "apply_native"]
+__all__ = ["NativeForward", "apply_native", "native_unavailable"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "native"
@@ -86,6 +86,11 @@ class NativeForward:
                     logger.warning("hf_accel: native: the model's weights changed and the executor cannot serve it "
                                    "any more; its own forward runs")  # fmt: skip
             return self.step
+
+    def current_step(self) -> LeanStep | None:
+        """The executor for the model's weights as they are now (rebuilt after they changed, e.g. a cast; ``None``
+        where it no longer serves them): what another feature running the same step (a speculative target) uses."""
+        return self._current()
 
     def __deepcopy__(self, memo: dict[int, object]) -> Any:
         # a deep copy of the model runs its class's forward (hf_accel.core.state.plain_copy drops the attribute)
@@ -181,6 +186,20 @@ def _plain_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     )
 
 
+def _executor(model: nn.Module) -> tuple[str | None, LeanStep | None]:
+    """The executor's step for ``model``, or why there is none."""
+    why = LeanStep.unsupported(model)
+    built = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
+    why = why or (built.why_not_native if built is not None else None)
+    step = LeanStep.exact(model) if why is None else None
+    return (why or "no native layers apply", None) if step is None else (None, step)
+
+
+def native_unavailable(model: nn.Module) -> str | None:
+    """Why the native executor cannot serve ``model`` as it is (``None``: it can)."""
+    return _executor(model)[0]
+
+
 def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, recorder: Recorder) -> None:
     """Bind :class:`NativeForward` as ``model.forward`` where the executor serves the model; else note why (and warn).
 
@@ -188,10 +207,7 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
         ``model.forward`` is set on the instance (recorded; ``unpatch_model`` removes it).
     """
     del parts
-    why = LeanStep.unsupported(model)
-    built = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
-    why = why or (built.why_not_native if built is not None else None)
-    step = LeanStep.exact(model) if why is None else None
+    why, step = _executor(model)
     if step is None:
         recorder.note(FEATURE, f"executor not used: {why}")
         recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")

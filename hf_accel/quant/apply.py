@@ -25,13 +25,15 @@ from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
 from .model_apis import bind_model_apis, warn_lossy_unpatch
 from .quanto import is_quanto_linear, quanto_dequantize, quanto_module, to_quanto_linear
 
-__all__ = ["apply_int8", "quantize_linears", "resolve_backend"]
+__all__ = ["apply_int8", "can_tie_embedding", "int8_targets", "quantize_linears", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "int8"
 
 
-def _targets(model: nn.Module, spec: ArchSpec, config: Int8Config) -> list[tuple[str, nn.Linear]]:
+def int8_targets(model: nn.Module, spec: ArchSpec, config: Int8Config) -> list[tuple[str, nn.Linear]]:
+    """``(name, linear)`` of every plain ``nn.Linear`` the int8 feature quantizes: the decoder layers' and the LM
+    head, minus ``config.skip_modules``."""
     return [
         (name, linear)
         for name, linear in decoder_linears(model, spec)
@@ -124,16 +126,16 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
         bitsandbytes 8-bit (``load_in_8bit=True``) are left as they are. Without ``keep_original`` the float
         weights are released and ``unpatch_model`` restores de-quantized values (not bitwise the originals).
     """
-    embed = get_attr_path(model, parts.spec.embed_tokens)
-    backend = resolve_backend(config, embed.weight.device)
+    device = next(model.parameters()).device
+    backend = resolve_backend(config, device)
     _check(model, config, backend)
     recorder.note(FEATURE, f"backend {backend}")
-    if backend == "bitsandbytes" and embed.weight.device.type == "cpu":
+    if backend == "bitsandbytes" and device.type == "cpu":
         logger.warning(
             "hf_accel: bitsandbytes int8 on CPU de-quantizes its weights on every call: about fp32 speed "
             "(0.7-1.1x measured on this CPU) against ~3x for Int8Config(backend='native'), the fast CPU backend"
         )
-    if backend == "quanto" and embed.weight.device.type == "cpu":
+    if backend == "quanto" and device.type == "cpu":
         logger.warning(
             "hf_accel: optimum-quanto int8 on CPU decodes slower than fp32 (0.46x at batch 1, 0.68x at batch 8 on "
             "SmolLM2, docs/int8.md) against ~2.3x for Int8Config(backend='native'), the fast CPU backend"
@@ -158,7 +160,7 @@ def quantize_linears(
     head_name = spec.lm_head
     embed_weight = getattr(embed, "weight", None)
     tied = embed_weight is not None and getattr(get_attr_path(model, head_name), "weight", None) is embed_weight
-    targets = _targets(model, spec, config)
+    targets = int8_targets(model, spec, config)
     if config.activations == "int8":
         _check_w8a8(targets, targets[0][1].weight.device if targets else embed_weight.device, recorder)
         recorder.note(FEATURE, "W8A8: activations quantized per token in 16 interleaved feature groups")
@@ -167,7 +169,7 @@ def quantize_linears(
         if is_sharded(linear.weight):
             _quantize_shard(recorder, model, name, linear, config, backend)
             continue
-        if name == head_name and tied and not _can_tie(embed, backend):
+        if name == head_name and tied and not can_tie_embedding(embed, backend):
             recorder.note(FEATURE, f"tied lm_head left in float ({backend}: embedding lookup stays float)")
             continue
         if backend == "bitsandbytes":
@@ -246,7 +248,7 @@ def _quantize_shard(
     recorder.call(FEATURE, "float shard released" if original is None else "float shard kept", free, restore)
 
 
-def _can_tie(embed: nn.Module, backend: str) -> bool:
+def can_tie_embedding(embed: nn.Module, backend: str = "native") -> bool:
     """Whether a tied LM head can be quantized with the embedding lookup reading the int8 matrix."""
     scale = getattr(embed, "embed_scale", None)
     return backend == "native" and (type(embed) is nn.Embedding or isinstance(scale, torch.Tensor))

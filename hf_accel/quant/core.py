@@ -100,14 +100,32 @@ def quantize(
     """
     size = _groups(weight, group_size)
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // size, size)  # [N, G, group]
-    if absmax is None:
-        absmax = w.abs().amax(dim=-1)  # [N, G]
-    elif tuple(absmax.shape) != (n, k // size):
+    if absmax is not None and tuple(absmax.shape) != (n, k // size):
         raise ValueError(f"absmax must be [{n}, {k // size}], got {tuple(absmax.shape)}")
+    q = torch.empty(n, k, dtype=torch.int8, device=weight.device)  # [N, K]
+    scale = torch.empty(n, k // size, dtype=torch.float32, device=weight.device)  # [N, G]
+    rows = max(1, _CHUNK // k)  # row blocks keep the float temporaries small (quantizing while loading)
+    for start in range(0, n, rows):
+        part = slice(start, start + rows)
+        amax = None if absmax is None else absmax[part]
+        q[part], scale[part] = _quantize_rows(weight[part], size, amax)
+    return QuantizedWeight(q, scale, size)
+
+
+#: elements per block of rows :func:`quantize` works on at once (float32 temporaries of ~16 MiB)
+_CHUNK = 1 << 22
+
+
+def _quantize_rows(weight: torch.Tensor, size: int, absmax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [n, K]`` -> int8 ``[n, K]`` and float32 scales ``[n, K // size]`` (row-wise maths: blocks of rows
+    give the same values as the whole matrix)."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // size, size)  # [n, G, group]
+    if absmax is None:
+        absmax = w.abs().amax(dim=-1)  # [n, G]
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # all-zero groups: any scale
     q = torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight(q.reshape(n, k).contiguous(), scale.contiguous(), size)
+    return q.reshape(n, k), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -57,7 +57,8 @@ def _resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     raise IncompatibleOptionsError(
         "resize_token_embeddings cannot resize int8 embeddings / LM head (hf_accel's int8 feature): resize before "
         "patching, or hf_accel.unpatch_model(model) (exact weights back with Int8Config(keep_original=True)), resize, "
-        "then patch again"
+        "then patch again (a model loaded as int8 with from_pretrained(quantization_config=...): load the float "
+        "checkpoint, resize, then quantize)"
     )
 
 
@@ -101,10 +102,12 @@ def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, **kwargs:
     return type(self).save_pretrained(self, save_directory, *args, **kwargs)
 
 
-def bind_model_apis(model: nn.Module, recorder: Recorder, backend: str) -> None:
+def bind_model_apis(model: nn.Module, recorder: Recorder, backend: str, save: bool = True) -> None:
     """Bind the int8-aware model APIs on ``model`` (recorded). ``save_pretrained`` as such would write
-    ``qweight`` / ``scale`` entries that ``from_pretrained`` drops (the linears then load randomly initialised)."""
-    save = (
+    ``qweight`` / ``scale`` entries that ``from_pretrained`` drops (the linears then load randomly initialised);
+    ``save=False`` leaves it alone (a model loaded through hf_accel's quantizer, which saves int8 with its
+    ``quantization_config``)."""
+    save_api = (
         (_save_pretrained, "save_pretrained writes de-quantized weights")
         if backend == "native"
         else (_refuse_save_pretrained, f"save_pretrained refused ({backend} int8)")
@@ -113,8 +116,9 @@ def bind_model_apis(model: nn.Module, recorder: Recorder, backend: str) -> None:
         "tie_weights": (_tie_weights, "tie_weights: int8 lookup tied structurally"),
         "num_parameters": (_num_parameters, "num_parameters counts int8 matrices"),
         "resize_token_embeddings": (_resize_token_embeddings, "resize_token_embeddings refused (int8 weights)"),
-        "save_pretrained": save,
     }
+    if save:
+        apis["save_pretrained"] = save_api
     for name, (fn, what) in apis.items():
         if callable(getattr(type(model), name, None)):
             recorder.set_instance_attr(FEATURE, model, name, types.MethodType(fn, model), what)

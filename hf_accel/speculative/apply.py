@@ -15,6 +15,7 @@ is prepared by Transformers as usual. Patching changes nothing on the model itse
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from ..core.config import SpeculativeConfig
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
+from .auto import AUTO_NOTE, auto_refusal, memory_refusal
 from .kept import KeptStrategies
 from .loop import make_custom_generate
 from .output import SpeculativeStats
@@ -35,12 +37,15 @@ if TYPE_CHECKING:
 
 __all__ = ["KEPT", "STATS_NOTE", "apply_speculative", "bind_speculative"]
 
+logger = logging.getLogger("hf_accel")
+
 FEATURE = "speculative"
 #: ``state.extras`` key of the model's :class:`~.kept.KeptStrategies`
 KEPT = "speculative_strategies"
 #: ``GenerateCall.notes`` key of the call's :class:`~.output.SpeculativeStats`
 STATS_NOTE = "speculative_stats"
 _KWARGS = ("speculative", "prompt_lookup", "draft_model", "num_speculative_tokens")
+_AUTO_BUILT = "speculative_auto_built"  # state.extras: the automatic self-speculative draft was announced
 _TRANSFORMERS_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
@@ -161,6 +166,29 @@ def _stop_strings_here(model: nn.Module, call: GenerateCall) -> None:
     kwargs["stopping_criteria"] = StoppingCriteriaList([*given, StopStringCriteria(tokenizer, stops)])
 
 
+def _auto_strategy(
+    model: nn.Module, call: GenerateCall, cfg: SpeculativeConfig, kept: KeptStrategies, extras: dict[str, Any]
+) -> tuple[Strategy | None, Callable[[], None] | None]:
+    """The ``cfg.auto`` strategy for a call without speculative keywords, or ``(None, None)`` with the reason in
+    ``call.notes[AUTO_NOTE]`` where the call must decode as usual."""
+    why = auto_refusal(model, call)
+    if why is None and cfg.auto == "self" and not extras.get(_AUTO_BUILT):
+        why = memory_refusal(model)
+    if why is not None:
+        call.notes[AUTO_NOTE] = why
+        logger.debug("hf_accel: this generate call does not speculate automatically: %s", why)
+        return None, None
+    if cfg.auto == "self" and not extras.get(_AUTO_BUILT):
+        extras[_AUTO_BUILT] = True
+        logger.warning(
+            "hf_accel: greedy generate calls speculate with an int8 copy of %s as the draft (the default patch on "
+            "this CPU; output unchanged): building it once now. patch_model(model, speculative="
+            "SpeculativeConfig(auto=None)) turns this off",
+            type(model).__name__,
+        )
+    return _kept_strategy(kept, dataclasses.replace(cfg, strategy=cfg.auto), None, None)
+
+
 def _then(proceed: Callable[[], Any], give_back: Callable[[], None]) -> Any:
     try:
         return proceed()
@@ -181,6 +209,8 @@ def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig
 
     def hook(model: nn.Module, call: GenerateCall) -> None:
         strategy, give_back = _resolve(call.notes.get(FEATURE, {}), cfg, kept)
+        if strategy is None and cfg.auto is not None:
+            strategy, give_back = _auto_strategy(model, call, cfg, kept, state.extras)
         if strategy is None:
             return
         if give_back is not None:  # before anything else can fail: the lent strategy always goes back

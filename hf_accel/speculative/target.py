@@ -76,8 +76,8 @@ def target_step(model: nn.Module) -> Any:
     architectures with native layers for this model (float32 on the CPU, projections and MLPs they know), no hooks,
     no tensor-parallel shards, ``forward`` not replaced on the instance."""
     forward = vars(model).get("forward")
-    if isinstance(forward, NativeForward):  # the native feature's executor: the same step
-        return forward.step
+    if isinstance(forward, NativeForward):  # the native feature's executor: the same step (for the weights as they are)
+        return forward.current_step()
     if forward is not None:
         return None
     return LeanStep.exact(model)

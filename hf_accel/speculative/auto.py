@@ -1,0 +1,88 @@
+"""Which plain ``generate`` calls speculate without a keyword (``SpeculativeConfig.auto``, set by the default patch on
+the CPU): greedy calls whose outputs speculation reproduces exactly and whose options it supports; every other call
+decodes as usual (the reason is kept in the call's notes and logged at DEBUG level)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.call import GenerateCall
+from ..core.errors import IncompatibleOptionsError
+from .rows import check_left_padding
+
+__all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
+
+logger = logging.getLogger("hf_accel")
+#: ``GenerateCall.notes`` key: why the call did not speculate automatically (absent when it did)
+AUTO_NOTE = "speculative_auto_skipped"
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
+_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _option(call: GenerateCall, model: nn.Module, name: str, default: Any) -> Any:
+    """A generation option as this call sets it: a keyword, else its ``generation_config``, else the model's."""
+    if name in call.kwargs:
+        return call.kwargs[name]
+    config = call.kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
+    """Why ``call`` must not speculate automatically (``None``: it may)."""
+    if _option(call, model, "do_sample", False):
+        return "sampling (do_sample=True): speculation preserves the distribution, not a seed's exact tokens"
+    if _option(call, model, "num_beams", 1) > 1:
+        return "beam search"
+    asked = [name for name in _OUTPUTS if _option(call, model, name, False)]
+    if asked:
+        return f"{', '.join(asked)} asked for"
+    clashing = [name for name in _ASSISTED if call.kwargs.get(name) is not None]
+    if clashing:
+        return f"{', '.join(clashing)} given"
+    if call.kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds instead of input_ids"
+    if call.kwargs.get("past_key_values") is not None or call.kwargs.get("cache_implementation") is not None:
+        return "a cache chosen by the caller"
+    if getattr(call.kwargs.get("cache"), "prefix_cache", False):
+        return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
+    if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
+        return "stop_strings without tokenizer="
+    return _padding_refusal(call)
+
+
+def _padding_refusal(call: GenerateCall) -> str | None:
+    """Speculation takes left-padded rows only; Transformers' own decoding takes any mask (with a warning)."""
+    ids, mask = call.input_ids(), call.kwargs.get("attention_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return "no [batch, tokens] input_ids"
+    if mask is None:
+        return None
+    try:
+        check_left_padding(ids, mask)
+    except IncompatibleOptionsError as err:
+        return str(err)
+    return None
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def memory_refusal(model: nn.Module) -> str | None:
+    """Why building a self-speculative int8 draft could strain memory (``None``: it fits): building copies the float
+    weights once before quantizing them, so it wants twice the model's bytes free."""
+    need = 2 * sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    free = _available_bytes()
+    if free is not None and free < need:
+        return f"the int8 draft's build needs ~{need >> 20} MiB free, {free >> 20} MiB available"
+    return None

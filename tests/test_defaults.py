@@ -1,0 +1,155 @@
+"""The default patch (issue 33, item 5): on the CPU, for the models the native executor serves, ``patch_model(model)``
+runs the executor and speculates greedy calls with an int8 copy of the model automatically; the output stays the
+unpatched model's. Calls speculation cannot reproduce exactly, or does not support, decode as usual and say why."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from helpers import random_batch, tiny_model
+
+import hf_accel
+from hf_accel.core.errors import IncompatibleOptionsError, UnsupportedModelError
+from hf_accel.core.metrics import TimingStreamer
+from hf_accel.patch import default_config
+from hf_accel.speculative import auto
+
+LEAN = ["llama", "mistral", "qwen2", "qwen3"]
+KW = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _model(arch: str = "llama", init: float = 0.2):
+    overrides = {"initializer_range": init} | ({"sliding_window": None} if arch == "mistral" else {})
+    return tiny_model(arch, **overrides)
+
+
+def test_default_config_depends_on_the_model_and_device():
+    assert default_config().native is None and default_config().speculative.auto is None
+    cpu = default_config(_model("qwen3"))
+    assert cpu.native == hf_accel.NativeConfig() and cpu.speculative.auto == "self"
+    other = default_config(tiny_model("gemma"))  # not an executor architecture: the keyword-only default
+    assert other.native is None and other.speculative.auto is None and other.fused_mlp is not None
+    report = hf_accel.patch_report(hf_accel.patch_model(tiny_model("gemma")))
+    assert (
+        "native executor + automatic self-speculation" in report["implementations"]["default"]["configuration"]["not"]
+    )
+    with pytest.raises(IncompatibleOptionsError, match=r"SpeculativeConfig\.auto must be one of"):
+        hf_accel.SpeculativeConfig(auto="draft")
+    with pytest.raises(UnsupportedModelError):
+        hf_accel.patch_model(None)
+
+
+@pytest.mark.parametrize("init", [0.2, 0.02])
+@pytest.mark.parametrize("lengths", [[9], [3, 14, 7]])
+@pytest.mark.parametrize("arch", LEAN)
+def test_greedy_calls_speculate_and_equal_the_unpatched_model(arch, lengths, init):
+    plain, patched = _model(arch, init), hf_accel.patch_model(_model(arch, init))
+    ids, mask = random_batch(len(lengths), lengths, seed=len(lengths))
+    for paged in (False, True):
+        got = patched.generate(input_ids=ids, attention_mask=mask, paged=paged, **KW)
+        assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, **KW)), paged
+        stats = hf_accel.last_stats(patched)
+        assert stats.speculative["strategy"] == "self" and stats.speculation_skipped is None
+
+
+def _skipped(patched, paged=None, **kwargs):
+    plain = _model()
+    ids, mask = kwargs.pop("ids", None), kwargs.pop("mask", None)
+    if ids is None:
+        ids, mask = random_batch(2, [5, 8], seed=3)
+    torch.manual_seed(7)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **{**KW, **kwargs})
+    torch.manual_seed(7)
+    got = patched.generate(input_ids=ids, attention_mask=mask, paged=paged, **{**KW, **kwargs})
+    stats = hf_accel.last_stats(patched)
+    same = (
+        torch.equal(got, expected) if isinstance(got, torch.Tensor) else torch.equal(got.sequences, expected.sequences)
+    )
+    assert same and stats.speculative is None
+    return stats.speculation_skipped
+
+
+def test_calls_speculation_cannot_reproduce_decode_as_usual_and_say_why():
+    patched = hf_accel.patch_model(_model())
+    assert "sampling" in _skipped(patched, do_sample=True, top_k=20)  # seeded sampling: the unpatched tokens
+    assert "beam search" in _skipped(patched, num_beams=2)
+    assert "output_scores" in _skipped(patched, output_scores=True, return_dict_in_generate=True)
+    right = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    ids = random_batch(2, [6, 6], seed=4)[0]
+    assert "left-padded" in _skipped(patched, ids=ids, mask=right)
+    prefixed = hf_accel.PagedConfig(prefix_cache=True)
+    assert "prefix caching" in _skipped(patched, paged=prefixed)
+
+
+def test_the_draft_is_announced_once_and_memory_is_checked_first(monkeypatch, caplog):
+    patched = hf_accel.patch_model(_model())
+    monkeypatch.setattr(auto, "_available_bytes", lambda: 1 << 10)
+    reason = _skipped(patched)
+    assert reason.startswith("the int8 draft's build needs ~") and reason.endswith(" MiB free, 0 MiB available")
+    monkeypatch.undo()
+    ids, mask = random_batch(2, [5, 8], seed=3)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        for _ in range(3):
+            patched.generate(input_ids=ids, attention_mask=mask, **KW)
+    announced = [r for r in caplog.records if "speculate with an int8 copy" in r.getMessage()]
+    assert len(announced) == 1 and "SpeculativeConfig(auto=None)" in announced[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "native", "auto_strategy"),
+    [
+        ({"speculative": hf_accel.SpeculativeConfig()}, True, None),
+        ({"native": False}, False, "self"),
+        ({"int8": True}, True, None),
+        ({"compile": hf_accel.CompileConfig(backend="eager")}, False, None),
+        ({"compile": True, "native": True}, True, None),
+    ],
+    ids=["speculative", "no-native", "int8", "compile", "compile+native"],
+)
+def test_overrides_adjust_the_default(overrides, native, auto_strategy):
+    report = hf_accel.patch_report(hf_accel.patch_model(_model(), **overrides))
+    assert ("native" in report["features"]) == native
+    assert report["features"]["speculative"]["auto"] == auto_strategy
+
+
+def test_concurrent_default_calls_share_one_draft_and_equal_the_unpatched_model():
+    plain, patched = _model(), hf_accel.patch_model(_model())
+    batches = [random_batch(2, [4 + i, 9], seed=i) for i in range(4)]
+    expected = [plain.generate(input_ids=ids, attention_mask=mask, **KW) for ids, mask in batches]
+    got: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        for _ in range(3):
+            got[i] = patched.generate(input_ids=batches[i][0], attention_mask=batches[i][1], **KW)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(got[i], expected[i]) for i in range(4))
+
+
+def test_timing_streamer_counts_every_token_of_a_speculative_step():
+    patched = hf_accel.patch_model(_model())
+    ids = random_batch(1, [6], seed=2)[0]
+    streamer = TimingStreamer()
+    out = patched.generate(input_ids=ids, streamer=streamer, **KW)
+    timing = streamer.timing()
+    assert timing.new_tokens == out.shape[1] - ids.shape[1] == 12
+    assert timing.first_tokens >= 1 and len(streamer.stamps) - 1 < 12  # tokens arrived several at a time
+
+
+@pytest.mark.parametrize("keyword", [{}, {"prompt_lookup": True}])
+def test_speculation_after_a_cast_leaves_the_executor_and_stays_exact(keyword):
+    """A speculative target verified through the executor's step read before ``model.to(bfloat16)``: it now asks
+    the native feature for the step of the weights as they are (none for bfloat16: the model's own forward)."""
+    plain = _model().to(torch.bfloat16)
+    patched = hf_accel.patch_model(_model())
+    patched.to(torch.bfloat16)
+    ids, mask = random_batch(2, [4, 7], seed=9)
+    got = patched.generate(input_ids=ids, attention_mask=mask, **keyword, **KW)
+    assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, **KW))
