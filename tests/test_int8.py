@@ -90,6 +90,26 @@ def test_int8_linear_matches_float_layer_with_dequantized_weight(group_size, row
     assert rel < 0.02, rel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_half_precision_activations_run_the_native_kernel_in_float32(dtype, activations, rows):
+    """bf16 / fp16 models: decode rows go through the native kernel as float32 copies (sums in float32, the result
+    cast back), not through a de-quantized half-precision weight on every call (issue 32 item 2, ~4x slower)."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 200, bias=True).to(dtype)
+    q = Int8Linear.from_module(linear, activations=activations)
+    x = torch.randn(rows, 256).to(dtype)
+    if not q.choice.native:
+        pytest.skip("no native int8 build on this CPU")
+    assert q.kernel_path(x) == ("w8a8" if activations == "int8" else "native")
+    with torch.no_grad():
+        got = q(x)
+        expected = q(x.float()).to(dtype)  # the float32 path on the same (exactly representable) rows
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    assert torch.equal(got, expected)
+
+
 def test_tied_embedding_reads_the_int8_matrix():
     model = tiny_model("llama", tie_word_embeddings=True)
     ids, _ = random_batch(1, [6])

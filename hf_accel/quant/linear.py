@@ -22,11 +22,24 @@ from .core import (
     quantize_activations,
 )
 
-__all__ = ["ACTIVATIONS", "DECODE_MAX_ROWS", "Int8Embedding", "Int8Linear", "check_w8a8", "kernel_choice", "w8a8_fits"]
+__all__ = [
+    "ACTIVATIONS",
+    "DECODE_MAX_ROWS",
+    "KERNEL_DTYPES",
+    "Int8Embedding",
+    "Int8Linear",
+    "check_w8a8",
+    "kernel_choice",
+    "w8a8_fits",
+]
 
 #: What an :class:`Int8Linear` does with its input: ``"float"`` (weight-only) or ``"int8"`` (W8A8); the same
 #: choices as ``Int8Config.activations``.
 ACTIVATIONS = Int8Config.ACTIVATIONS
+
+#: Activation dtypes the native CPU kernels take: float32 directly, bfloat16 / float16 as float32 copies of their
+#: few decode rows (the weights, the bytes that matter, stay int8; sums are float32, the result is cast back)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: Up to this many activation rows the native kernel runs; above (prefill) the weight is de-quantized once per call
 DECODE_MAX_ROWS = CPU.int8_kernel_max_rows
@@ -124,17 +137,19 @@ class Int8Linear(nn.Module):
             ``"w8a8"`` (VNNI kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
             ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows) or ``"dequantize"``.
         """
-        cpu_fp32 = x.device.type == "cpu" and x.dtype == torch.float32
+        takes = x.device.type == "cpu" and x.dtype in KERNEL_DTYPES  # bf16 / fp16 rows go in as fp32 copies
         if self.activations == "int8":
-            return "w8a8" if cpu_fp32 and self._cpu_kernel else "w8a8-emulated"
+            return "w8a8" if takes and self._cpu_kernel else "w8a8-emulated"
         rows = x.numel() // max(1, x.shape[-1])
-        native = cpu_fp32 and self._cpu_kernel
+        native = takes and self._cpu_kernel
         return "native" if native and rows <= DECODE_MAX_ROWS else "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = self._cpu_kernel and x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling()
+        fast = self._cpu_kernel and x.dtype in KERNEL_DTYPES and x.is_cpu and not torch.compiler.is_compiling()
         if fast and (self.activations == "int8" or x.numel() <= DECODE_MAX_ROWS * self.in_features):
-            return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
+            if x.dtype == torch.float32:
+                return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
+            return self.kernel(x.float()).to(x.dtype)  # [.., K] bf16/fp16: a few fp32 rows in, fp32 sums, cast out
         path = self.kernel_path(x)
         if path == "dequantize":
             bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -143,7 +158,7 @@ class Int8Linear(nn.Module):
         if path == "w8a8-emulated":
             y = self._w8a8_emulated(flat)
         else:  # a kernel path here means compiling (eager calls took the fast path): an opaque op in the graph
-            y = getattr(torch.ops.hf_accel, self._cpu_kernel)(flat, self.qweight, self.scale)  # [M, N]
+            y = getattr(torch.ops.hf_accel, self._cpu_kernel)(flat.float(), self.qweight, self.scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
