@@ -58,8 +58,11 @@ def default_config(model: nn.Module | None = None) -> AccelConfig:
     model the native executor serves (the Llama family in float32), also the executor (``native``) and automatic
     self-speculation of greedy calls (``SpeculativeConfig(auto="self")``: an int8 copy drafts, the model verifies,
     the output is the model's own greedy output), measured 2.4-2.9x the unpatched model's decode on SmolLM2-135M
-    (docs/log/2026-12-06-defaults.md); the executor alone 1.56x. Elsewhere (CUDA, other architectures) the
-    keyword-only defaults stay until they are measured there. Without ``model``: the device-independent part.
+    (docs/log/2026-12-06-defaults.md); the executor alone 1.56x. bfloat16 / float16 models keep the keyword-only
+    default: ``native=True`` runs their decode rows through the ``half_linear`` kernel (1.22-1.28x on SmolLM2 bf16), but
+    half-precision rounding in another summation order flips greedy tokens at near-ties (2 of 40 tiny-model cases),
+    and so does speculation's verification. Elsewhere (CUDA) the keyword-only defaults stay until they are measured
+    there. Without ``model``: the device-independent part.
     """
     base = AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
     if model is None or _cpu_refusal(model) is not None:

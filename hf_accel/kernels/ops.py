@@ -73,6 +73,16 @@ def _panel_fit(isa: str, needs: dict[str, Any]) -> str | None:
     return None
 
 
+def _half_fit(isa: str, needs: dict[str, Any]) -> str | None:
+    lanes = 16 if isa in _AVX512 else 8
+    dtype, k = needs.get("dtype"), needs.get("in_features")
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+        return f"it takes bfloat16 / float16 weights, got {dtype}"
+    if k is not None and k % lanes:
+        return f"in_features {k} is not a multiple of its {lanes} lanes"
+    return None
+
+
 def _decoder_fit(isa: str, needs: dict[str, Any]) -> str | None:
     return _int8_fit(isa, {"group_size": needs.get("group_size")})
 
@@ -164,6 +174,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "float_linear", "(Tensor x, Tensor weight) -> Tensor", reference.float_linear, _rows_by_out,
             "float_linear",
+        ),
+        OpSpec(
+            "half_linear", "(Tensor x, Tensor weight) -> Tensor", reference.half_linear, _rows_by_out, "half_linear",
+            _ALL, _half_fit, lambda x, w: {"dtype": w.dtype, "in_features": w.shape[1]},
         ),
         OpSpec(
             "decoder_layers",

@@ -25,6 +25,7 @@ __all__ = [
     "dense_attention",
     "dequantize_activations",
     "float_linear",
+    "half_linear",
     "int8_linear",
     "paged_attention",
     "panel_linear",
@@ -141,6 +142,12 @@ def w8a16_fits(in_features: int, groups: int) -> bool:
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` float32 @ ``weight [N, K]``^T -> ``[M, N]``."""
     return x @ weight.T
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` float32 @ ``weight [N, K]``^T with a bfloat16 / float16 weight -> ``[M, N]`` float32 (the weight
+    widened exactly to float32, float32 sums)."""
+    return x @ weight.float().T
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..core.recorder import Recorder
 from ..core.registry import ModelParts
 from ..paged.cache import PagedCache
 from .growing import GrowingLayer, to_growing
+from .half import apply_half_linears, half_unavailable
 from .paged import paged_hidden, paged_logits, serves_pool
 from .step import LeanStep
 
@@ -211,6 +212,9 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
     if step is None:
         recorder.note(FEATURE, f"executor not used: {why}")
         recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")
+        if half_unavailable(model) is None:  # bf16 / fp16 weights: their decode rows through half_linear
+            apply_half_linears(model, recorder)
+            return
         name = type(model).__name__
         logger.warning("hf_accel: native: the executor cannot serve %s (%s); it runs its own forward", name, why)
         return

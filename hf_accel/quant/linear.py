@@ -158,7 +158,8 @@ class Int8Linear(nn.Module):
         if path == "w8a8-emulated":
             y = self._w8a8_emulated(flat)
         else:  # a kernel path here means compiling (eager calls took the fast path): an opaque op in the graph
-            y = getattr(torch.ops.hf_accel, self._cpu_kernel)(flat.float(), self.qweight, self.scale).to(x.dtype)
+            kernel = getattr(torch.ops.hf_accel, self._cpu_kernel)
+            y = kernel(flat.float(), self.qweight, self.scale.float()).to(x.dtype)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -179,6 +180,8 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()  # [M, K]
         # buffers read from the dict (nn.Module.__getattr__ costs ~0.7 us each)
         qweight, scale = self._buffers["qweight"], self._buffers["scale"]
+        if scale.dtype != torch.float32:  # a model cast to bf16 / fp16 after quantizing casts the scales too
+            scale = scale.float()
         y = (vnni or self._fn)(flat, qweight, scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias
