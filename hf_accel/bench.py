@@ -30,7 +30,6 @@ from .patch import last_stats, patch_model, patch_report, unpatch_model
 __all__ = ["TECHNIQUES", "BenchResult", "parse_techniques", "run_bench"]
 
 logger = logging.getLogger("hf_accel")
-_PLAIN = dict(fused_mlp=False, paged=False, speculative=False)
 LICENSE = Path("/usr/share/common-licenses/GPL-3")  # real English text shipped with Debian
 
 CHAT_PROMPTS = [  # long free-form answers first: batch 1 measures a whole answer, not a one-liner
@@ -100,43 +99,37 @@ _SPEC = "speculation"  # the gain of speculative rows is described from their st
 TECHNIQUES: dict[str, Technique] = {
     t.name: t
     for t in (
-        Technique("baseline", dict(_PLAIN), gain="-"),
+        Technique("baseline", {}, gain="-"),
         Technique("default", None, gain=_SPEC),  # what patch_model(model) turns on for this model and device
-        Technique("fused", {**_PLAIN, "fused_mlp": True}, gain="one gate+up matmul per MLP"),
-        Technique("paged", {**_PLAIN, "paged": True}, {"paged": True}, gain="paged KV (no padding) + paged attention"),
-        Technique(
-            "compile", {**_PLAIN, "fused_mlp": True, "compile": True}, gain="pre-packed linears + compiled decode step"
-        ),
-        Technique(
-            "native", {**_PLAIN, "fused_mlp": True, "native": True}, gain="native executor (a step in one C++ call)"
-        ),
-        Technique(
-            "int8", {**_PLAIN, "int8": Int8Config(keep_original=True)}, lossless=False, gain="int8 weights (lossy)"
-        ),
+        Technique("fused", {"fused_mlp": True}, gain="one gate+up matmul per MLP"),
+        Technique("paged", {"paged": True}, {"paged": True}, gain="paged KV (no padding) + paged attention"),
+        Technique("compile", {"fused_mlp": True, "compile": True}, gain="pre-packed linears + compiled decode step"),
+        Technique("native", {"fused_mlp": True, "native": True}, gain="native executor (a step in one C++ call)"),
+        Technique("int8", {"int8": Int8Config(keep_original=True)}, lossless=False, gain="int8 weights (lossy)"),
         Technique(
             "w8a8",
-            {**_PLAIN, "int8": Int8Config(activations="int8", keep_original=True)},
+            {"int8": Int8Config(activations="int8", keep_original=True)},
             lossless=False,
             gain="int8 weights and activations (lossy)",
         ),
         Technique(
             "bnb",
-            {**_PLAIN, "int8": Int8Config(backend="bitsandbytes", keep_original=True)},
+            {"int8": Int8Config(backend="bitsandbytes", keep_original=True)},
             lossless=False,
             unavailable=_no_bnb,
             gain="bitsandbytes int8 weights (lossy)",
         ),
         Technique(
             "quanto",
-            {**_PLAIN, "int8": Int8Config(backend="quanto", keep_original=True)},
+            {"int8": Int8Config(backend="quanto", keep_original=True)},
             lossless=False,
             unavailable=_no_quanto,
             gain="optimum-quanto int8 weights (lossy)",
         ),
-        Technique("prompt-lookup", {**_PLAIN, "speculative": True}, {"prompt_lookup": True}, gain=_SPEC),
-        Technique("draft", {**_PLAIN, "speculative": True}, gain=_SPEC),  # needs --draft-model
-        Technique("self-spec", {**_PLAIN, "speculative": True}, {"self_spec": True}, gain=_SPEC),
-        Technique("self-spec+native", {**_PLAIN, "speculative": True, "native": True}, {"self_spec": True}, gain=_SPEC),
+        Technique("prompt-lookup", {"speculative": True}, {"prompt_lookup": True}, gain=_SPEC),
+        Technique("draft", {"speculative": True}, gain=_SPEC),  # needs --draft-model
+        Technique("self-spec", {"speculative": True}, {"self_spec": True}, gain=_SPEC),
+        Technique("self-spec+native", {"speculative": True, "native": True}, {"self_spec": True}, gain=_SPEC),
         Technique("all", {}),
     )
 }

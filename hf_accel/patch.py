@@ -64,11 +64,17 @@ def default_config(model: nn.Module | None = None) -> AccelConfig:
     and so does speculation's verification. Elsewhere (CUDA) the keyword-only defaults stay until they are measured
     there. Without ``model``: the device-independent part.
     """
+    return _device_default(model)[0]
+
+
+def _device_default(model: nn.Module | None) -> tuple[AccelConfig, str | None]:
+    """:func:`default_config`, and why the CPU default does not apply (``None``: it does)."""
     base = AccelConfig(fused_mlp=FusedMLPConfig(), paged=PagedConfig(), speculative=SpeculativeConfig())
-    if model is None or _cpu_refusal(model) is not None:
-        return base
+    why = "no model to look at" if model is None else _cpu_refusal(model)
+    if why is not None:
+        return base, why
     auto = "self" if _float_linears(model) else None
-    return dataclasses.replace(base, native=NativeConfig(), speculative=SpeculativeConfig(auto=auto))
+    return dataclasses.replace(base, native=NativeConfig(), speculative=SpeculativeConfig(auto=auto)), None
 
 
 def _cpu_refusal(model: nn.Module) -> str | None:
@@ -89,8 +95,7 @@ def _float_linears(model: nn.Module) -> bool:
 def _default_for(model: nn.Module, overrides: dict[str, Any], recorder: Recorder) -> AccelConfig:
     """``default_config(model)`` adjusted to the overrides (an int8 model drafts for itself: no automatic
     self-speculation; ``compile=`` packs the weights: no executor), with the choice recorded for ``patch_report``."""
-    config = default_config(model)
-    why = _cpu_refusal(model)
+    config, why = _device_default(model)  # the executor is looked at once here (building it is the costly part)
     notes = []
     if config.speculative.auto is not None and any(overrides.get(n) not in (None, False) for n in ("int8", "compile")):
         config = dataclasses.replace(config, speculative=SpeculativeConfig())

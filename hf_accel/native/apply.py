@@ -190,10 +190,12 @@ def _plain_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def _executor(model: nn.Module) -> tuple[str | None, LeanStep | None]:
     """The executor's step for ``model``, or why there is none."""
     why = LeanStep.unsupported(model)
-    built = LeanStep.build(model, kv_dtype=torch.float32) if why is None else None
-    why = why or (built.why_not_native if built is not None else None)
-    step = LeanStep.exact(model) if why is None else None
-    return (why or "no native layers apply", None) if step is None else (None, step)
+    step = LeanStep.exact(model) if why is None else None  # built once where it serves the model
+    if step is not None:
+        return None, step
+    if why is None:  # the layers are the family's, but no native build takes them: say why
+        why = LeanStep.build(model, kv_dtype=torch.float32).why_not_native
+    return why or "no native layers apply", None
 
 
 def native_unavailable(model: nn.Module) -> str | None:

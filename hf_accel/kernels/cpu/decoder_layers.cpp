@@ -29,6 +29,7 @@
 #endif
 #include "vexp.h"
 #include "int8_gemm_impl.h"
+#include "dot_tile.h"
 #ifdef __AVX512VNNI__
 #include "w8a16_impl.h"
 #include "w8a8_impl.h"
@@ -44,6 +45,7 @@ using V = hf_accel::Avx512;
 #else
 using V = hf_accel::Avx2;
 #endif
+using hf_accel::dot::sum4;  // [sum(a), sum(b), sum(c), sum(d)] stored at out
 
 // Per-layer parameters, in this order (an absent one is an empty tensor).
 enum Param : size_t {
@@ -66,7 +68,6 @@ inline V::F vadd(V::F a, V::F b) { return _mm512_add_ps(a, b); }
 inline V::F vsub(V::F a, V::F b) { return _mm512_sub_ps(a, b); }
 inline V::F vmul(V::F a, V::F b) { return _mm512_mul_ps(a, b); }
 inline float hmax(V::F v) { return _mm512_reduce_max_ps(v); }
-inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) { _mm_storeu_ps(out, hf_accel::sum4(a, b, c, d)); }
 // sigmoid(x) from e = exp(-|x|) in (0, 1] (exp16 needs a non-positive argument): 1 / (1 + e) for x >= 0, else
 // e / (1 + e)
 inline V::F vsigmoid(V::F x) {
@@ -86,10 +87,6 @@ inline float hmax(V::F v) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
 inline V::F vsigmoid(V::F x) {  // as the AVX-512 one
   const V::F neg_abs = _mm256_or_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
   const V::F e = vexp(neg_abs), den = _mm256_add_ps(_mm256_set1_ps(1.f), e);
@@ -99,43 +96,11 @@ inline V::F vsigmoid(V::F x) {  // as the AVX-512 one
 #endif
 
 // Float projections of narrow chunks (a target's verification of one row, the last chunks of a batch, a float draft):
-// y [M, N] = x [M, K] @ w [N, K]^T with w read in place, row-major. Each tile of kDotRows activation rows x 4 weight
-// rows keeps its 4 * kDotRows sums in vector lanes over K and reduces them once; tiles of weight rows are split over
-// threads, so the weights stream from memory once per call. at::linear hands MKL the same weight to re-pack on every
+// y [M, N] = x [M, K] @ w [N, K]^T with w read in place, row-major (the tiles of dot_tile.h, shared with
+// half_linear). at::linear hands MKL the same weight to re-pack on every
 // call: one-off, SmolLM2's 30 layers of fp32 projections at 13 rows took ~28 ms here against ~43 ms (AVX-512 host);
 // from ~40 rows on MKL's packed GEMM is as fast or faster (kDotMaxRows leaves those to it).
 constexpr int64_t kDotMaxRows = 32;
-constexpr int kDotRows = V::kLanes == 16 ? 4 : 2;  // registers: 4 * kDotRows sums + 4 weight vectors + 1
-
-template <int MR, int NR>
-inline void dot_tile(const float* x, const float* w, float* y, int64_t K, int64_t ldy) {
-  typename V::F acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = V::zero();
-  for (int64_t k = 0; k < K; k += V::kLanes) {
-    typename V::F wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = V::load(w + r * K + k);
-    for (int i = 0; i < MR; ++i) {
-      const typename V::F xv = V::load(x + i * K + k);
-      for (int r = 0; r < NR; ++r) acc[i][r] = V::fma(xv, wv[r], acc[i][r]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    if constexpr (NR == 4) {
-      sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], y + i * ldy);
-    } else {
-      for (int r = 0; r < NR; ++r) y[i * ldy + r] = V::sum(acc[i][r]);
-    }
-  }
-}
-
-// NR weight rows against all M activation rows.
-template <int NR>
-inline void dot_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N) {
-  int64_t m = 0;
-  for (; m + kDotRows <= M; m += kDotRows) dot_tile<kDotRows, NR>(x + m * K, w, y + m * N, K, N);
-  for (; m < M; ++m) dot_tile<1, NR>(x + m * K, w, y + m * N, K, N);
-}
 
 // Whether float_linear takes x [M, K] against a weight: float32, contiguous, K a multiple of the lanes, few rows.
 bool dot_fits(const torch::Tensor& x, const torch::Tensor& weight) {
@@ -151,14 +116,8 @@ torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& weight) 
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = weight.size(0);
   auto y = torch::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = N / 4;
-  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) dot_rows<4>(xp, wp + g * 4 * K, yp + g * 4, M, K, N);
-  });
-  for (int64_t n = groups * 4; n < N; ++n) dot_rows<1>(xp, wp + n * K, yp + n, M, K, N);
+  hf_accel::dot::linear(xc.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, N, 8,
+                        [](const float* p) { return V::load(p); });
   return y;
 }
 
