@@ -153,3 +153,14 @@ def test_speculation_after_a_cast_leaves_the_executor_and_stays_exact(keyword):
     ids, mask = random_batch(2, [4, 7], seed=9)
     got = patched.generate(input_ids=ids, attention_mask=mask, **keyword, **KW)
     assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, **KW))
+
+
+def test_beam_search_from_the_generation_config_is_not_speculated():
+    """A model whose generation_config asks for beams: plain generate beam-searches, so no automatic speculation."""
+    plain, patched = _model(), hf_accel.patch_model(_model())
+    for m in (plain, patched):
+        m.generation_config.num_beams = 2
+    ids, mask = random_batch(2, [5, 8], seed=3)
+    got = patched.generate(input_ids=ids, attention_mask=mask, **KW)
+    assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, **KW))
+    assert "beam search" in hf_accel.last_stats(patched).speculation_skipped

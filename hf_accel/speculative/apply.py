@@ -125,9 +125,9 @@ def _resolve(
     return None, None
 
 
-def _check_call(call: GenerateCall) -> None:
+def _check_call(model: nn.Module, call: GenerateCall) -> None:
     kwargs = call.kwargs
-    config = kwargs.get("generation_config")
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)  # as generate reads it
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1) if config is not None else 1)
     if beams and beams > 1:
         raise IncompatibleOptionsError(
@@ -172,6 +172,11 @@ def _auto_strategy(
     """The ``cfg.auto`` strategy for a call without speculative keywords, or ``(None, None)`` with the reason in
     ``call.notes[AUTO_NOTE]`` where the call must decode as usual."""
     why = auto_refusal(model, call)
+    if why is None:
+        try:
+            _check_call(model, call)  # what an explicit speculative call would be refused for
+        except IncompatibleOptionsError as err:
+            why = str(err)
     if why is None and cfg.auto == "self" and not extras.get(_AUTO_BUILT):
         why = memory_refusal(model)
     if why is not None:
@@ -215,7 +220,7 @@ def bind_speculative(model: nn.Module, state: PatchState, cfg: SpeculativeConfig
             return
         if give_back is not None:  # before anything else can fail: the lent strategy always goes back
             call.around.insert(0, lambda proceed: _then(proceed, give_back))
-        _check_call(call)
+        _check_call(model, call)
         _stop_strings_here(model, call)
 
         def keep(stats: SpeculativeStats) -> None:

@@ -19,7 +19,6 @@ __all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
 logger = logging.getLogger("hf_accel")
 #: ``GenerateCall.notes`` key: why the call did not speculate automatically (absent when it did)
 AUTO_NOTE = "speculative_auto_skipped"
-_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
 _OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -33,17 +32,13 @@ def _option(call: GenerateCall, model: nn.Module, name: str, default: Any) -> An
 
 
 def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
-    """Why ``call`` must not speculate automatically (``None``: it may)."""
+    """Why ``call`` must not speculate automatically (``None``: it may), beyond what an explicit speculative call
+    refuses too (beam search, assisted-generation arguments, ``custom_generate``: ``speculative.apply``'s check)."""
     if _option(call, model, "do_sample", False):
         return "sampling (do_sample=True): speculation preserves the distribution, not a seed's exact tokens"
-    if _option(call, model, "num_beams", 1) > 1:
-        return "beam search"
     asked = [name for name in _OUTPUTS if _option(call, model, name, False)]
     if asked:
         return f"{', '.join(asked)} asked for"
-    clashing = [name for name in _ASSISTED if call.kwargs.get(name) is not None]
-    if clashing:
-        return f"{', '.join(clashing)} given"
     if call.kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds instead of input_ids"
     if call.kwargs.get("past_key_values") is not None or call.kwargs.get("cache_implementation") is not None:
