@@ -1,12 +1,16 @@
 """One run, every CPU path of issue 32 side by side: the memory-bandwidth limit, plain Transformers fp32 / bf16, each
 hf_accel precision and path, and llama.cpp on GGUF files when ``llama-cpp-python`` is importable.
 
-    python benchmarks/bench_cpu_peers.py [--new-tokens 64] [--repeats 3] [--gguf f32.gguf bf16.gguf q8_0.gguf]
+    python benchmarks/bench_cpu_peers.py [--new-tokens 64] [--repeats 3] [--ppl-tokens 2048] [--paths REGEX]
+                                         [--gguf f32.gguf bf16.gguf q8_0.gguf]
 
 Prints, per path: decode tok/s on a short chat prompt, decode tok/s and TTFT on a 388-token prompt, the decode rate
 as a share of the bandwidth limit for its weight bytes (speculative paths can pass 100%: several tokens per weight
 read), how many of the new tokens equal Transformers fp32's greedy
-ones, and which kernel builds hf_accel ran (``patch_report``). Speed is never asserted: read the ratios of one run.
+ones, the perplexity change against Transformers fp32 on the first ``--ppl-tokens`` tokens of the GPL-3 text (every
+path; llama.cpp's too, from its logits over the same token ids), and which kernel builds hf_accel ran
+(``patch_report``). Speed is never asserted: read the ratios of one run. ``ATEN_CPU_CAPABILITY=avx2`` (with
+``MKL_ENABLE_INSTRUCTIONS=AVX2``) runs everything as on an AVX2-only CPU: hf_accel then takes its AVX2 builds.
 The GGUF files (llama.cpp's ``convert_hf_to_gguf.py`` on the converted default model, ``--outtype f32 / bf16 /
 q8_0``) are optional; building ``llama-cpp-python`` takes 10-25 minutes, so it is never part of CI.
 """
@@ -15,6 +19,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import math
+import os
+import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -41,18 +50,78 @@ def bandwidth_gbs(gib: int = 2) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def gemm_gflops(n: int = 2048) -> float:
+    """The CPU's measured fp32 peak: ``torch.mm`` of two ``n x n`` float32 matrices (the best of 5), GFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def _prompt_gflop(model: Any, tokens: int) -> float:
+    """A prompt's products: every decoder linear on ``tokens`` rows (the head runs on the last row only) and causal
+    attention (``Q K^T`` and ``P V`` over the lower triangle)."""
+    linears = sum(
+        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    )
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    attention = 2 * 2 * (tokens * tokens / 2) * head_dim * config.num_attention_heads * config.num_hidden_layers
+    return (2 * linears * tokens + attention) / 1e9
+
+
+def _text() -> str:
+    return LICENSE.read_text() if LICENSE.is_file() else "The quick brown fox jumps over the lazy dog. " * 800
+
+
 def _prompts(tokenizer: Any) -> dict[str, torch.Tensor]:
     messages = [{"role": "user", "content": CHAT}]
     chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    text = LICENSE.read_text() if LICENSE.is_file() else "The quick brown fox jumps over the lazy dog. " * 80
-    long = tokenizer(text)["input_ids"][:388]
+    long = tokenizer(_text())["input_ids"][:388]
     return {"chat": chat["input_ids"], "388": torch.tensor([long])}
+
+
+def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean next-token negative log-likelihood: ``logits [T, V]`` over ``ids [T]``."""
+    return float(torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:]))
+
+
+def _ppl_hf(model: Any, ids: torch.Tensor) -> float:
+    with torch.inference_mode():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]  # [T, V]
+    return math.exp(_nll(logits, ids))
+
+
+def _ppl_llama(path: str, ids: torch.Tensor) -> float:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=2, n_ctx=ids.numel(), n_batch=512, logits_all=True, verbose=False)
+    llm.eval(ids.tolist())
+    logits = torch.from_numpy(llm.scores[: ids.numel()].copy())  # [T, V]
+    del llm
+    return math.exp(_nll(logits, ids))
+
+
+def _host() -> str:
+    flags = set()
+    if Path("/proc/cpuinfo").is_file():
+        line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
+        flags = set(line.split(":", 1)[-1].split())
+    shown = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.processor() or platform.machine()}, flags {' '.join(shown)}; torch capability {capability}" + (
+        f" (ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']})" if "ATEN_CPU_CAPABILITY" in os.environ else ""
+    )
 
 
 def _time_hf(model: Any, ids: torch.Tensor, new: int) -> tuple[float, float, list[int]]:
     streamer = TimingStreamer()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, eos_token_id=None,
                              do_sample=False, streamer=streamer)  # fmt: skip
     timing = streamer.timing()
     return timing.decode_tokens_per_s, timing.ttft_s, out[0, ids.shape[1] :].tolist()
@@ -108,45 +177,83 @@ def _run(timer: Callable[..., Any], target: Any, prompts: dict[str, torch.Tensor
     }
 
 
+def _gguf_rows(paths: list[str], prompts: dict[str, torch.Tensor], text: torch.Tensor, args: Any) -> dict:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama-cpp-python is not importable: the GGUF rows are skipped")
+        return {}
+    rows = {}
+    for path in paths:
+        llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
+        precision = "int8" if "q8" in Path(path).name.lower() else "bf16" if "bf16" in path.lower() else "fp32"
+        row = _run(_time_llama, llm, prompts, args.new_tokens, args.repeats)
+        del llm
+        ppl = _ppl_llama(path, text) if args.ppl_tokens else None
+        rows[f"llama.cpp {Path(path).name}"] = {**row, "precision": precision, "builds": "llama.cpp", "ppl": ppl}
+    return rows
+
+
+def _print(rows: dict, limit: dict[str, float], ppl_tokens: int, prefill_gflop: float, peak: float) -> None:
+    reference = rows["Transformers fp32"]["tokens"]
+    base = rows["Transformers fp32"]["ppl"]
+    columns = [
+        "path", "chat tok/s", "388-token prompt: tok/s / TTFT (prefill GFLOP/s, % of fp32 peak)", "% of its limit",
+        f"= fp32 greedy (of {len(reference)})", f"perplexity, {ppl_tokens} tokens (vs fp32)", "kernel builds",
+    ]  # fmt: skip
+    print("\n| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|")
+    for label, r in rows.items():
+        same = next((i for i, (a, b) in enumerate(zip(r["tokens"], reference, strict=False)) if a != b), len(reference))
+        share = 100 * r["chat"] / limit[r["precision"]]
+        ppl = (
+            "-"
+            if r["ppl"] is None
+            else f"{r['ppl']:.3f}" + ("" if base is None else f" ({(r['ppl'] / base - 1) * 100:+.2f}%)")
+        )
+        rate = prefill_gflop / r["ttft"]
+        prefill = f"{r['long']:.1f} / {r['ttft']:.2f} s ({rate:.0f}, {100 * rate / peak:.0f}%)"
+        print(f"| {label} | {r['chat']:.1f} | {prefill} | {share:.0f}% ({r['precision']}) "
+              f"| {same} | {ppl} | {r['builds']} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ppl-tokens", type=int, default=2048, help="0: no perplexity")
+    parser.add_argument("--paths", default="", help="regex: only the hf_accel / Transformers paths it matches "
+                        "(Transformers fp32 always runs: the reference)")  # fmt: skip
     parser.add_argument("--gguf", nargs="*", default=[], help="llama.cpp GGUF files of the same weights")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = hf_accel.load_default()
     prompts = _prompts(tokenizer)
-    gbs = bandwidth_gbs()
+    text = torch.tensor(tokenizer(_text())["input_ids"][: args.ppl_tokens])
+    gbs, peak = bandwidth_gbs(), gemm_gflops()
     params = sum(p.numel() for p in model.parameters())
+    # the prompt's products: every decoder linear on 388 rows (the head runs on the last row only)
+    linears = sum(
+        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+    )
+    prefill_gflop = 2 * linears * prompts["388"].shape[1] / 1e9
     limit = {"fp32": gbs * 1e9 / (4 * params), "bf16": gbs * 1e9 / (2 * params), "int8": gbs * 1e9 / params}
+    print(f"host: {_host()}")
     print(f"read bandwidth {gbs:.1f} GB/s: batch-1 decode limit fp32 {limit['fp32']:.0f}, bf16 {limit['bf16']:.0f}, "
           f"int8 {limit['int8']:.0f} tok/s; torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"fp32 peak (torch.mm 2048^3) {peak:.0f} GFLOP/s; a 388-token prompt's products: {prefill_gflop:.1f} GFLOP")
     rows = {}
     for label, (build, precision) in _paths(model).items():
+        if label != "Transformers fp32" and not re.search(args.paths, label):
+            continue
         target = build()
-        rows[label] = {**_run(_time_hf, target, prompts, args.new_tokens, args.repeats), "precision": precision,
-                       "builds": _builds(target)}  # fmt: skip
+        row = _run(_time_hf, target, prompts, args.new_tokens, args.repeats)
+        ppl = _ppl_hf(target, text) if args.ppl_tokens else None
+        rows[label] = {**row, "precision": precision, "builds": _builds(target), "ppl": ppl}
         del target
-    for path in args.gguf:
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            print("llama-cpp-python is not importable: the GGUF rows are skipped")
-            break
-        llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
-        precision = "int8" if "q8" in Path(path).name.lower() else "bf16" if "bf16" in path.lower() else "fp32"
-        rows[f"llama.cpp {Path(path).name}"] = {**_run(_time_llama, llm, prompts, args.new_tokens, args.repeats),
-                                                 "precision": precision, "builds": "llama.cpp"}  # fmt: skip
-    reference = rows["Transformers fp32"]["tokens"]
-    head = f"= fp32 greedy (of {len(reference)})"
-    print(f"\n| path | chat tok/s | 388-token prompt: tok/s / TTFT | % of its limit | {head} | kernel builds |")
-    print("|---|---|---|---|---|---|")
-    for label, r in rows.items():
-        same = next((i for i, (a, b) in enumerate(zip(r["tokens"], reference, strict=False)) if a != b), len(reference))
-        share = 100 * r["chat"] / limit[r["precision"]]
-        print(f"| {label} | {r['chat']:.1f} | {r['long']:.1f} / {r['ttft']:.2f} s | {share:.0f}% ({r['precision']}) "
-              f"| {same} | {r['builds']} |")  # fmt: skip
+        gc.collect()
+    rows.update(_gguf_rows(args.gguf, prompts, text, args))
+    _print(rows, limit, args.ppl_tokens, prefill_gflop, peak)
 
 
 if __name__ == "__main__":

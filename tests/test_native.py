@@ -102,7 +102,7 @@ def test_report_unpatch_and_models_it_cannot_serve(caplog):
         "gemma": (tiny_model("gemma"), "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3"),
         "bf16": (
             tiny_model("llama", dtype=torch.bfloat16),
-            "layer 0: self_attn.q_proj is a bfloat16 Linear (it takes float32 or weight-only int8)",
+            "layer 0: self_attn.q_proj is a bfloat16 Linear (it takes float32 or int8 with a native kernel)",
         ),
     }
     for name, (model, why) in cases.items():

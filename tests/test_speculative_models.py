@@ -719,7 +719,11 @@ def test_growing_cache_layer_behaves_like_dynamic_layer():
     keys, values = layer.commit(used + 3)
     assert layer.get_seq_length() == 211 and keys.data_ptr() == buf_k.data_ptr()
     assert torch.equal(keys[:, :, :used], plain.layers[0].keys) and bool((values[:, :, used:] == 2.0).all())
+    assert layer.reserve(2, 2, 1, 16, torch.float32, torch.device("cpu"))[2] == 211  # unchanged views: fast path
     layer.crop(-3)
+    assert layer.reserve(2, 2, 1, 16, torch.float32, torch.device("cpu"))[2] == 208  # the crop's views are new
+    half_k, _, used = layer.reserve(2, 2, 1, 16, torch.float16, torch.device("cpu"))  # another dtype: converted
+    assert used == 208 and half_k.dtype == torch.float16 and torch.equal(half_k[:, :, :used], layer.keys.half())
     fresh = growing_cache(config).layers[0]  # reserving on an empty layer initialises it
     buf_k, _, used = fresh.reserve(1, 2, 4, 16, torch.float32, torch.device("cpu"))
     assert used == 0 and fresh.is_initialized and fresh.commit(4)[0].shape == (1, 2, 4, 16)

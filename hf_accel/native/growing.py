@@ -43,21 +43,30 @@ class GrowingLayer(DynamicLayer):
         The buffers are contiguous ``[B, H_kv, capacity, D]`` holding the layer's ``used`` tokens in their first
         columns; nothing is visible until :meth:`commit`.
         """
+        shape = (batch, heads, dim, dtype, device)
+        committed = self.__dict__.get("_committed")  # (keys, values, shape) as the last commit left them
+        same = committed is not None and committed[0] is self.keys and committed[1] is self.values
+        if same and committed[2] == shape:
+            # fast path (every decode step): nobody replaced the views since, so they still lead the buffers
+            used = self.keys.shape[-2]
+            if used + new <= self._buf_k.shape[-2]:
+                return self._buf_k, self._buf_v, used
         if not self.is_initialized:
             empty = torch.empty(batch, heads, 0, dim, dtype=dtype, device=device)
             self.lazy_initialization(empty, empty)
         used = self.keys.shape[-2] if self.keys.numel() else 0
         need = used + new
-        shape = (batch, heads, dim, dtype, device)
         buf_k = getattr(self, "_buf_k", None)
         if buf_k is None or need > buf_k.shape[-2] or not _leads(self.keys, buf_k, used, shape):
             self._buf_k = _grow(self.keys, shape, used, need)
             self._buf_v = _grow(self.values, shape, used, need)
+        self._shape = shape
         return self._buf_k, self._buf_v, used
 
     def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Make the first ``length`` columns of the buffers the layer's keys and values; returns them."""
-        self.keys, self.values = self._buf_k[:, :, :length], self._buf_v[:, :, :length]  # [B, H_kv, length, D]
+        self.keys, self.values = self._buf_k.narrow(2, 0, length), self._buf_v.narrow(2, 0, length)  # [B, H_kv, T, D]
+        self._committed = (self.keys, self.values, self._shape)
         return self.keys, self.values
 
 

@@ -66,43 +66,50 @@ def weight_only_native(module: Any) -> bool:
     return isinstance(module, Int8Linear) and module.activations == "float" and module.choice.native
 
 
+def _int8_native(module: Any) -> bool:
+    """Whether ``module`` is an ``Int8Linear`` (weight-only or W8A8) whose own maths is a native CPU kernel."""
+    return isinstance(module, Int8Linear) and module.choice.native
+
+
 def _absent() -> torch.Tensor:
     return torch.empty(0)
 
 
-def _projection(module: Any, groups: set[int]) -> list[torch.Tensor] | None:
-    """``[weight, int8 scales or empty, bias or empty]`` of a float32 ``nn.Linear`` or a weight-only
-    ``Int8Linear`` with a native kernel (its group size added to ``groups``); ``None`` for anything else."""
+def _projection(module: Any, groups: set[int], acts: set[str]) -> list[torch.Tensor] | None:
+    """``[weight, int8 scales or empty, bias or empty]`` of a float32 ``nn.Linear`` or an ``Int8Linear`` with a
+    native kernel (its group size added to ``groups``, its activations, ``"float"`` or ``"int8"``, to ``acts``);
+    ``None`` for anything else."""
     bias = getattr(module, "bias", None)
     bias = _absent() if bias is None else bias.detach()
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and bias.dtype == torch.float32:
         return [module.weight.detach(), _absent(), bias]
-    if weight_only_native(module):
+    if _int8_native(module):
         if bias.numel() and bias.dtype != torch.float32:
             return None
         qweight, scale = module.qweight, module.scale  # [N, K] int8, [N, G] float32
         groups.add(qweight.shape[1] // scale.shape[1])
+        acts.add(module.activations)
         return [qweight, scale, bias]
     return None
 
 
-def _mlp(mlp: nn.Module, groups: set[int]) -> list[torch.Tensor] | None:
+def _mlp(mlp: nn.Module, groups: set[int], acts: set[str]) -> list[torch.Tensor] | None:
     """``gate`` (or the fused ``[gate; up]``), ``up`` (or absent) and ``down`` projections of a SiLU-gated MLP."""
     if not isinstance(getattr(mlp, "act_fn", None), (nn.SiLU, SiLUActivation)) or not hasattr(mlp, "down_proj"):
         return None
     up: list[torch.Tensor] | None = [_absent()] * 3
     fused = getattr(mlp, "gate_up_proj", None) if isinstance(mlp, FusedGatedMLP) else None
     if fused is not None and not (type(fused) is nn.Linear or hasattr(fused, "dense_weight")):
-        gate = _projection(fused, groups)  # an int8 fused projection (a self-speculative draft's)
+        gate = _projection(fused, groups, acts)  # an int8 fused projection (a self-speculative draft's)
     elif fused is not None:
         bias = mlp.gate_up_bias
         weight = mlp.gate_up_weight.detach()
         gate = None if weight.dtype != torch.float32 else [weight, _absent(), _absent() if bias is None else bias]
     elif hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
-        gate, up = _projection(mlp.gate_proj, groups), _projection(mlp.up_proj, groups)
+        gate, up = _projection(mlp.gate_proj, groups, acts), _projection(mlp.up_proj, groups, acts)
     else:
         return None
-    down = _projection(mlp.down_proj, groups)
+    down = _projection(mlp.down_proj, groups, acts)
     if gate is None or up is None or down is None:
         return None
     return [*gate, *up, *down]
@@ -150,6 +157,9 @@ class NativeLayers:
         #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
         self.w8a16 = bool(int8) and vnni
         self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
+        #: every int8 projection is a W8A8 ``Int8Linear``: every chunk runs W8A8, the modules' own maths (the same
+        #: VNNI kernel), prompts included (:meth:`mode`, :meth:`LeanStep.takes_prompt`)
+        self.int8_activations = False
         #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
         #: (at a batch of 4 rows and a ~450-token context the fp32 K/V of SmolLM2's 30 layers are ~80 MB, close to
         #: its int8 weights); a draft only proposes, so its keys' rounding can cost acceptance, never output
@@ -158,8 +168,9 @@ class NativeLayers:
     def mode(self, rows: int, width: int) -> int:
         """How a chunk of ``rows`` activation rows (batch x width), ``width`` tokens wide, runs the int8
         projections: ``W8A8`` from ``W8A8_MIN_WIDTH`` tokens where possible, else ``W8A16`` from
-        ``W8A16_MIN_ROWS`` rows where possible, else ``WEIGHT_ONLY``."""
-        if self.w8a8 and width >= W8A8_MIN_WIDTH:
+        ``W8A16_MIN_ROWS`` rows where possible, else ``WEIGHT_ONLY``; always ``W8A8`` where the projections are W8A8
+        modules (:attr:`int8_activations`: their own maths)."""
+        if self.int8_activations or (self.w8a8 and width >= W8A8_MIN_WIDTH):
             return W8A8
         return W8A16 if self.w8a16 and rows >= W8A16_MIN_ROWS else WEIGHT_ONLY
 
@@ -187,10 +198,11 @@ class NativeLayers:
         the native layers do not know, differing norm epsilons, or no build for this CPU."""
         norms = [step.norm]
         groups: set[int] = set()
+        acts: set[str] = set()
         params = []
         scaling = step.layers[0].self_attn.scaling
         for index, layer in enumerate(step.layers):
-            parts, why = _layer_params(layer, groups, norms)
+            parts, why = _layer_params(layer, groups, acts, norms)
             if parts is None:
                 return None, f"layer {index}: {why}"
             if layer.self_attn.scaling != scaling:
@@ -204,8 +216,13 @@ class NativeLayers:
         choice = layers_choice(groups, isa)
         if choice is None:
             return None, "no native build takes these weights: " + str(choose_layers_reasons(groups))
+        why = _w8a8_mismatch(acts, choice)
+        if why is not None:
+            return None, why
         kv = (step.heads, step.kv_heads, step.head_dim)
-        return NativeLayers(choice, params, float(step.norm.variance_epsilon), float(scaling), kv), ""
+        layers = NativeLayers(choice, params, float(step.norm.variance_epsilon), float(scaling), kv)
+        layers.int8_activations = acts == {"int8"}
+        return layers, ""
 
     def serves(self, cache: Any) -> bool:
         """Whether ``cache`` is one growing layer per decoder layer (the native call writes into its buffers)."""
@@ -247,6 +264,18 @@ class NativeLayers:
         return out.view(batch, width, hidden)
 
 
+def _w8a8_mismatch(acts: set[str], choice: Choice) -> str | None:
+    """Why native layers of ``choice`` cannot run int8 projections whose activations are ``acts`` (``None``: they
+    can): W8A8 modules run the VNNI kernel, which only the VNNI build has, and one call runs every projection alike."""
+    if "int8" not in acts:
+        return None
+    if len(acts) > 1:
+        return "some int8 projections are W8A8 and others weight-only (one native call runs them alike)"
+    if choice.impl != "cpu/avx512vnni":
+        return f"W8A8 projections run natively in the AVX-512 VNNI build only, not {choice.impl}"
+    return None
+
+
 def paged_layers(
     native: NativeLayers, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: Any, plan: Any, mode: int
 ) -> torch.Tensor:
@@ -270,16 +299,20 @@ def _kind(module: Any) -> str:
     return f"a {dtype}{type(module).__name__}"
 
 
-def _layer_params(layer: nn.Module, groups: set[int], norms: list[nn.Module]) -> tuple[list[torch.Tensor] | None, str]:
+def _layer_params(
+    layer: nn.Module, groups: set[int], acts: set[str], norms: list[nn.Module]
+) -> tuple[list[torch.Tensor] | None, str]:
     """One decoder layer's :data:`~hf_accel.kernels.reference.LAYER_PARAMS` tensors, or ``(None, why)`` where a part
-    is not one the native layers know; its norms are added to ``norms`` and int8 group sizes to ``groups``."""
+    is not one the native layers know; its norms are added to ``norms``, int8 group sizes to ``groups`` and int8
+    activation kinds to ``acts``."""
     attn = layer.self_attn
     norms += [layer.input_layernorm, layer.post_attention_layernorm]
-    parts = [_projection(getattr(attn, name), groups) for name in _ATTENTION_PARTS]
+    parts = [_projection(getattr(attn, name), groups, acts) for name in _ATTENTION_PARTS]
     for name, part in zip(_ATTENTION_PARTS, parts, strict=True):
         if part is None:
-            return None, f"self_attn.{name} is {_kind(getattr(attn, name))} (it takes float32 or weight-only int8)"
-    mlp = _mlp(layer.mlp, groups)
+            kind = _kind(getattr(attn, name))
+            return None, f"self_attn.{name} is {kind} (it takes float32 or int8 with a native kernel)"
+    mlp = _mlp(layer.mlp, groups, acts)
     if mlp is None:
         return None, f"the MLP ({type(layer.mlp).__name__}) is not a SiLU-gated one with float32 / int8 projections"
     head_norms = [_absent(), _absent()]

@@ -146,11 +146,13 @@ class LeanStep:
         float projections only (a target; an int8 draft's prompt keeps its modules' weight-only maths) that serve
         ``cache``, and a mask of ``cells`` = rows x prompt tokens x columns of at most ``PROMPT_MASK_CELLS`` (the
         native call takes the mask as a boolean tensor; a longer prompt runs the model's forward, whose attention
-        need not build one). Wide chunks run PyTorch's fused attention inside the native call, and the norms,
+        need not build one); W8A8 projections run their own kernel at any width, so a W8A8 model's prompt runs here
+        too. Wide chunks run PyTorch's fused attention inside the native call, and the norms,
         rotations and SiLU-gated products are fused passes instead of ~10 elementwise operators a layer (one-off:
         ~0.3 s of the forward of four 447-token prompts through SmolLM2, a fifth of it, went to those operators)."""
         fits = cells <= PROMPT_MASK_CELLS
-        return fits and self.native is not None and self.native.float_only and self.native.serves(cache)
+        own_maths = self.native is not None and (self.native.float_only or self.native.int8_activations)
+        return fits and own_maths and self.native.serves(cache)
 
     def __call__(
         self,
