@@ -151,10 +151,10 @@ def _paths(model: Any) -> dict[str, tuple[Callable[[], Any], str]]:
         "hf_accel default (fp32)": (patched(torch.float32), "fp32"),
         "hf_accel native (fp32, no speculation)": (
             patched(torch.float32, speculative=hf_accel.SpeculativeConfig()), "fp32"),
-        "hf_accel native=True (bf16: half_linear)": (patched(torch.bfloat16, native=True), "bf16"),
+        "hf_accel native=True (bf16 model: executor)": (patched(torch.bfloat16, native=True), "bf16"),
         "hf_accel int8 + native (fp32 activations)": (patched(torch.float32, int8=int8), "int8"),
         "hf_accel W8A8 + native": (patched(torch.float32, int8=hf_accel.Int8Config(activations="int8")), "int8"),
-        "hf_accel int8 (bf16 model)": (patched(torch.bfloat16, int8=int8), "int8"),
+        "hf_accel int8 + native=True (bf16 model)": (patched(torch.bfloat16, int8=int8, native=True), "int8"),
     }  # fmt: skip
 
 

@@ -11,10 +11,12 @@ import dataclasses
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from .compile.apply import apply_compile, bind_compile, plain_compile
 from .core.config import AccelConfig, FusedMLPConfig, NativeConfig, PagedConfig, SpeculativeConfig
+from .core.dispatch import model_dtype
 from .core.errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .core.recorder import Recorder
 from .core.registry import ModelParts, decoder_linears, get_spec, resolve
@@ -59,10 +61,11 @@ def default_config(model: nn.Module | None = None) -> AccelConfig:
     self-speculation of greedy calls (``SpeculativeConfig(auto="self")``: an int8 copy drafts, the model verifies,
     the output is the model's own greedy output), measured 2.4-2.9x the unpatched model's decode on SmolLM2-135M
     (docs/log/2026-12-06-defaults.md); the executor alone 1.56x. bfloat16 / float16 models keep the keyword-only
-    default: ``native=True`` runs their decode rows through the ``half_linear`` kernel (1.22-1.28x on SmolLM2 bf16), but
-    half-precision rounding in another summation order flips greedy tokens at near-ties (2 of 40 tiny-model cases),
-    and so does speculation's verification. Elsewhere (CUDA) the keyword-only defaults stay until they are measured
-    there. Without ``model``: the device-independent part.
+    default: ``native=True`` runs them through the executor with float32 activations (Llama family; 2.7x the unpatched
+    bf16 SmolLM2, docs/native.md) or their decode rows through ``half_linear`` (other architectures), but the half
+    model's own forward rounds after every operator, so against it greedy tokens can flip at near-ties. Elsewhere
+    (CUDA) the keyword-only defaults stay until they are measured there. Without ``model``: the device-independent
+    part.
     """
     return _device_default(model)[0]
 
@@ -74,14 +77,17 @@ def _device_default(model: nn.Module | None) -> tuple[AccelConfig, str | None]:
     if why is not None:
         return base, why
     auto = "self" if _float_linears(model) else None
-    return dataclasses.replace(base, native=NativeConfig(), speculative=SpeculativeConfig(auto=auto)), None
+    native = NativeConfig(half_precision=False)  # lossless only: a later cast to half hands the forward back
+    return dataclasses.replace(base, native=native, speculative=SpeculativeConfig(auto=auto)), None
 
 
 def _cpu_refusal(model: nn.Module) -> str | None:
     """Why the CPU default (native executor + automatic self-speculation) does not apply to ``model``."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        return f"weights on {device.type} (the CPU default is measured on the CPU only)"
+    weight = next(model.parameters())
+    if weight.device.type != "cpu":
+        return f"weights on {weight.device.type} (the CPU default is measured on the CPU only)"
+    if model_dtype(model) in (torch.bfloat16, torch.float16):
+        return "half-precision weights: the executor's float32 sums round differently from the model (native=True)"
     why = native_unavailable(model)
     return None if why is None else f"the native executor cannot serve it: {why}"
 

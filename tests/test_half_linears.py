@@ -1,5 +1,6 @@
 """Half-precision decode linears (issue 32 item 2): the ``half_linear`` kernel against its reference, and bfloat16 /
-float16 models patched by default (the ``native`` feature) against the unpatched model."""
+float16 models patched with ``native=True`` against the unpatched model (the executor for the Llama family,
+``half_linear`` linear by linear for the others)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import hf_accel
 from hf_accel.kernels import reference
 from hf_accel.kernels.build import cpu_isas
 from hf_accel.kernels.ops import choose
+from hf_accel.native.apply import NativeForward
 from hf_accel.native.half import half_unavailable
 from hf_accel.patch import default_config
 
 KW = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+HALF_LINEARS_ARCH = "gemma"  # an architecture the executor does not serve: half_linear, linear by linear
 
 
 def _kernel(isa: str):
@@ -57,7 +60,10 @@ def test_native_on_a_half_model_runs_decode_rows_through_the_kernel(arch, dtype)
     patched = hf_accel.patch_model(tiny_model(arch, dtype=dtype), native=True)
     assert half_unavailable(patched) is None
     linears = [m for m in patched.modules() if type(m) is nn.Linear]
-    assert linears and all("forward" in m.__dict__ for m in linears)
+    if isinstance(patched.forward, NativeForward):  # the executor serves the Llama family (tests/test_native_half.py)
+        assert not any("forward" in m.__dict__ for m in linears)
+    else:  # every other architecture: its decode rows through half_linear, linear by linear
+        assert linears and all("forward" in m.__dict__ for m in linears)
     ids, mask = random_batch(1, [6], seed=2)  # 6 rows: every projection takes the kernel
     with torch.no_grad():
         got = patched(input_ids=ids, attention_mask=mask).logits.float()
@@ -75,12 +81,12 @@ def test_half_models_keep_the_keyword_only_default():
 
 
 def test_weights_stay_the_modules_own_and_unpatch_removes_the_forwards():
-    model = hf_accel.patch_model(tiny_model("llama", dtype=torch.bfloat16), native=True)
+    model = hf_accel.patch_model(tiny_model(HALF_LINEARS_ARCH, dtype=torch.bfloat16), native=True)
     q_proj = model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is nn.Linear and "forward" in q_proj.__dict__
     report = hf_accel.patch_report(model)["implementations"]
     assert report["native"]["half_linear"]["uses"].startswith("cpu/")
-    plain = tiny_model("llama", dtype=torch.bfloat16)
+    plain = tiny_model(HALF_LINEARS_ARCH, dtype=torch.bfloat16)
     ids, mask = random_batch(2, [4, 7], seed=5)
     with torch.no_grad():  # an in-place edit: the kernel reads the parameter on every call
         before = model(input_ids=ids[:1], attention_mask=mask[:1]).logits.float()

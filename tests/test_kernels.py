@@ -100,8 +100,9 @@ def test_float_linear_against_reference(fn):
     assert_close(fn(x, w), reference.float_linear(x, w), atol=1e-5, rtol=1e-5, name="float_linear")
 
 
-def _decoder_args(int8: bool, width: int, used: int, kv_dtype: torch.dtype):
-    """Random weights for 2 Llama-style layers (E 64, 4 heads of 16, 2 K/V heads), a chunk and filled buffers."""
+def _decoder_args(int8: bool, width: int, used: int, kv_dtype: torch.dtype, half: torch.dtype | None = None):
+    """Random weights for 2 Llama-style layers (E 64, 4 heads of 16, 2 K/V heads), a chunk and filled buffers;
+    ``half``: float weights, norms and biases in that dtype (a half-precision model's)."""
     torch.manual_seed(width + used)
     hidden, inter, heads, kv_heads, dim, batch = 64, 96, 4, 2, 16, 2
 
@@ -119,6 +120,8 @@ def _decoder_args(int8: bool, width: int, used: int, kv_dtype: torch.dtype):
         attn += proj(hidden, heads * dim)
         mlp = proj(2 * inter, hidden) + [torch.empty(0)] * 3 + proj(hidden, inter)  # fused gate/up
         flat += [*ln, *attn, *mlp, torch.empty(0), torch.empty(0)]
+    if half is not None:
+        flat = [t.to(half) if t.is_floating_point() else t for t in flat]
     total = used + width
     keys = [torch.randn(batch, kv_heads, total + 8, dim).to(kv_dtype) for _ in range(2)]
     values = [torch.randn(batch, kv_heads, total + 8, dim).to(kv_dtype) for _ in range(2)]
@@ -150,6 +153,23 @@ def test_decoder_layers_against_reference(fn, int8, width, used, kv_dtype):
         mask = rows[:, None, :, None].expand(-1, a.shape[1], -1, a.shape[3])
         assert_close(a[:, :, written][mask].float(), b[:, :, written][mask].float(), atol=5e-3, rtol=5e-3, name="kv")
         assert torch.equal(a[:, :, :used], b[:, :, :used])  # the columns before the chunk are untouched
+
+
+@pytest.mark.parametrize("fn", _params("decoder_layers"))
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("width", "used", "tol"), [(1, 9, 5e-4), (5, 3, 5e-4), (70, 0, 3e-2)])
+def test_decoder_layers_half_weights_against_reference(fn, half, width, used, tol):
+    """A half-precision model's weights, norms and biases read in place: float32 activations and sums for up to 16
+    rows (tight); wider chunks round the activations to ``half`` for the half GEMM, on both sides, so a float-order
+    difference can move one rounding (a few half-precision ulps)."""
+    args = _decoder_args(False, width, used, torch.float32, half)
+    ref = list(args)
+    ref[2], ref[3] = [t.clone() for t in args[2]], [t.clone() for t in args[3]]
+    expected = reference.decoder_layers(*ref)
+    got = fn(*args)
+    sees = args[5].any(-1).flatten()
+    assert got.dtype == torch.float32
+    assert_close(got[sees], expected[sees], atol=tol, rtol=tol, name="hidden")
 
 
 @pytest.mark.parametrize("fn", _params("decoder_layers_paged"))

@@ -28,7 +28,7 @@ def _pair(arch: str, init: float = 0.2, **patch):
     if arch == "mistral":
         overrides["sliding_window"] = None
     plain = tiny_model(arch, **overrides)
-    patched = hf_accel.patch_model(tiny_model(arch, **overrides), native=True, **{**NO_AUTO_SPECULATION, **patch})
+    patched = hf_accel.patch_model(tiny_model(arch, **overrides), **{"native": True, **NO_AUTO_SPECULATION, **patch})
     return plain, patched
 
 
@@ -101,8 +101,12 @@ def test_report_unpatch_and_models_it_cannot_serve(caplog):
     cases = {
         "gemma": (tiny_model("gemma"), "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3"),
         "bf16": (
-            tiny_model("llama", dtype=torch.bfloat16),
-            "layer 0: self_attn.q_proj is a bfloat16 Linear (it takes float32 or int8 with a native kernel)",
+            tiny_model("gemma", dtype=torch.bfloat16),
+            "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3",
+        ),
+        "fp64": (
+            tiny_model("llama", dtype=torch.float64),
+            "layer 0: self_attn.q_proj is a float64 Linear (it takes float32 or int8 with a native kernel)",
         ),
     }
     for name, (model, why) in cases.items():
@@ -132,7 +136,9 @@ def test_weights_replaced_after_patching_are_followed():
 
 
 def test_a_cast_model_runs_its_own_forward(caplog):
-    plain, patched = _pair("llama", fused_mlp=False)
+    """Without ``NativeConfig.half_precision`` (the default patch's), a cast to bfloat16 hands the forward back to
+    the model (with it, the executor follows the cast: tests/test_native_half.py)."""
+    plain, patched = _pair("llama", fused_mlp=False, native=hf_accel.NativeConfig(half_precision=False))
     for model in (plain, patched):
         model.to(torch.bfloat16)
     ids, mask = random_batch(1, [6], seed=6)

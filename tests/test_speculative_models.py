@@ -378,7 +378,7 @@ def test_native_lean_layers_apply_only_where_they_know_the_layers():
     attn.q_proj = Int8Linear.from_module(nn.Linear(64, 64, bias=False), activations="int8")
     cases = {
         "w8a8 projection": w8a8,
-        "bf16 weights": tiny_model("llama", dtype=torch.bfloat16),
+        "float64 weights": tiny_model("llama", dtype=torch.float64),
         "gelu MLP": tiny_model("llama", hidden_act="gelu"),
     }
     odd_eps = tiny_model("llama")

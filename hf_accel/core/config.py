@@ -288,12 +288,18 @@ class NativeConfig:
     Args:
         prompts: run prompts through the executor too (wide chunks use PyTorch's fused attention inside the native
             call); ``False``: prompts run the model's own forward, decode steps the executor.
+        half_precision: a bfloat16 / float16 model (or one cast to half precision later) runs through the executor
+            with float32 activations, reading its weights in place (docs/native.md); its own forward rounds after every
+            operator, so greedy tokens can part from it at near-ties. ``native=True`` asks for it; the default patch of
+            a float32 model sets ``False`` (a later cast hands the forward back to the model).
     """
 
     prompts: bool = True
+    half_precision: bool = True
 
     def __post_init__(self) -> None:
         _check_bool(self, "prompts")
+        _check_bool(self, "half_precision")
 
 
 #: feature name -> config class; the order is the order in which features are applied.

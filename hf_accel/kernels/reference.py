@@ -19,6 +19,7 @@ __all__ = [
     "ACT16_BLOCK",
     "ACT_BLOCK",
     "ACT_LANES",
+    "HALF_MAX_ROWS",
     "W8A16_MAX_K",
     "decoder_layers",
     "decoder_layers_paged",
@@ -237,13 +238,19 @@ LAYER_PARAMS = (
 WEIGHT_ONLY, W8A16, W8A8 = 0, 1, 2
 
 
+#: up to this many rows the native layers' half-precision projections keep float32 activations (half_linear)
+HALF_MAX_ROWS = 16
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _project(x: torch.Tensor, p: dict[str, torch.Tensor], name: str, mode: int) -> torch.Tensor:
     weight, scale, bias = p[name], p[f"{name}_scale"], p[f"{name}_bias"]
-    if weight.dtype != torch.int8:
+    if weight.dtype in (torch.bfloat16, torch.float16):  # a half model: float32 sums for few rows, the half GEMM above
+        y = x @ weight.float().T if x.shape[0] <= HALF_MAX_ROWS else (x.to(weight.dtype) @ weight.T).float()
+    elif weight.dtype != torch.int8:
         y = x @ weight.T
     elif mode == W8A8:
         y = w8a8_linear(x, weight, scale)

@@ -5,8 +5,10 @@ native executor.
 that ``generate`` makes for a step over a ``DynamicCache`` runs :class:`~.step.LeanStep` (every decoder layer in one
 native call, the cache's layers turned into growing ones in place); any other call (another cache, options the step
 does not cover, gradients, the paged cache, a compiled step) goes to the forward it replaced, unchanged. Where the
-executor cannot serve the model at all (another architecture, bfloat16 weights, hooks...) the feature changes
-nothing, says why in ``patch_report`` and logs a warning.
+executor cannot serve the model at all (another architecture, hooks...) the feature changes nothing, says why in
+``patch_report`` and logs a warning; a bfloat16 / float16 model it cannot serve gets ``half_linear`` decode linears
+(:mod:`.half`). A half-precision Llama-family model (``native=True`` asked of it) runs the executor with float32
+activations.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class NativeForward:
 
     The executor holds the weights it read; at the start of every sequence (an empty cache) the model's weights are
     checked to still be those tensors, and the executor is rebuilt from the model otherwise (or, where it cannot
-    serve the changed model, e.g. cast to bfloat16, the replaced forward runs, with a warning).
+    serve the changed model, the replaced forward runs, with a warning; so does a float32 model cast to half precision
+    after patching: the half-precision executor is opt-in).
 
     Args:
         model: the patched model.
@@ -64,9 +67,13 @@ class NativeForward:
         prompts: run prompts natively too (``NativeConfig.prompts``).
     """
 
-    def __init__(self, model: nn.Module, step: LeanStep, inner: Callable[..., Any], prompts: bool) -> None:
+    def __init__(
+        self, model: nn.Module, step: LeanStep, inner: Callable[..., Any], prompts: bool, half: bool = True
+    ) -> None:
         self.step: LeanStep | None = step
         self.inner, self.prompts = inner, prompts
+        #: half-precision weights run the executor too (``NativeConfig.half_precision``), after a cast as well
+        self.half = half
         self._model = weakref.ref(model)
         self._weights = _fingerprint(model)
         self._lock = threading.Lock()
@@ -81,7 +88,7 @@ class NativeForward:
         weights = _fingerprint(model)
         with self._lock:
             if weights != self._weights:
-                self.step = LeanStep.exact(model)
+                self.step = LeanStep.exact(model, half=self.half)  # a float32 model cast to half: its own forward
                 self._weights = weights
                 if self.step is None:
                     logger.warning("hf_accel: native: the model's weights changed and the executor cannot serve it "
@@ -187,14 +194,17 @@ def _plain_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     )
 
 
-def _executor(model: nn.Module) -> tuple[str | None, LeanStep | None]:
-    """The executor's step for ``model``, or why there is none."""
+def _executor(model: nn.Module, half: bool = True) -> tuple[str | None, LeanStep | None]:
+    """The executor's step for ``model``, or why there is none (``half``: half-precision weights may run it)."""
     why = LeanStep.unsupported(model)
-    step = LeanStep.exact(model) if why is None else None  # built once where it serves the model
+    step = LeanStep.exact(model, half=half) if why is None else None  # built once where it serves the model
     if step is not None:
         return None, step
-    if why is None:  # the layers are the family's, but no native build takes them: say why
-        why = LeanStep.build(model, kv_dtype=torch.float32).why_not_native
+    if why is None:  # the layers are the family's, but no native build takes them (or half precision is off)
+        built = LeanStep.build(model, kv_dtype=torch.float32)
+        why = built.why_not_native
+        if why is None and built.native is not None and built.native.half is not None:
+            why = f"{built.native.half} weights, and NativeConfig(half_precision=False)"
     return why or "no native layers apply", None
 
 
@@ -210,7 +220,7 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
         ``model.forward`` is set on the instance (recorded; ``unpatch_model`` removes it).
     """
     del parts
-    why, step = _executor(model)
+    why, step = _executor(model, config.half_precision)
     if step is None:
         recorder.note(FEATURE, f"executor not used: {why}")
         recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")
@@ -223,5 +233,5 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
     choice = step.native.choice
     recorder.choose(FEATURE, "decoder_layers", choice.impl, choice.why, choice.rejected)
     inner = model.__dict__.get("forward") or types.MethodType(type(model).forward, model)
-    native = NativeForward(model, step, inner, config.prompts)
+    native = NativeForward(model, step, inner, config.prompts, config.half_precision)
     recorder.set_instance_attr(FEATURE, model, "forward", native, "forward runs the native executor (dynamic cache)")

@@ -47,6 +47,10 @@ _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 W8A8_MIN_WIDTH = CPU.w8a8_min_width
 W8A16_MIN_ROWS = CPU.w8a16_min_rows
 PROMPT_MASK_CELLS = CPU.prompt_mask_cells
+#: float weight dtypes the native layers read in place: float32, and a half-precision model's bfloat16 / float16
+#: (products widened to float32 in registers for few rows, the half GEMM for a prompt; activations stay float32)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)
 #: the int8 group-size multiple each build's layers need (their weight-only int8 kernel's lanes)
 _LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8}
 
@@ -81,8 +85,8 @@ def _projection(module: Any, groups: set[int], acts: set[str]) -> list[torch.Ten
     ``None`` for anything else."""
     bias = getattr(module, "bias", None)
     bias = _absent() if bias is None else bias.detach()
-    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and bias.dtype == torch.float32:
-        return [module.weight.detach(), _absent(), bias]
+    if type(module) is nn.Linear and module.weight.dtype in _FLOAT_DTYPES and bias.dtype in _FLOAT_DTYPES:
+        return [module.weight.detach(), _absent(), bias]  # float32, or bfloat16 / float16 read in place
     if _int8_native(module):
         if bias.numel() and bias.dtype != torch.float32:
             return None
@@ -104,7 +108,7 @@ def _mlp(mlp: nn.Module, groups: set[int], acts: set[str]) -> list[torch.Tensor]
     elif fused is not None:
         bias = mlp.gate_up_bias
         weight = mlp.gate_up_weight.detach()
-        gate = None if weight.dtype != torch.float32 else [weight, _absent(), _absent() if bias is None else bias]
+        gate = None if weight.dtype not in _FLOAT_DTYPES else [weight, _absent(), _absent() if bias is None else bias]
     elif hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj"):
         gate, up = _projection(mlp.gate_proj, groups, acts), _projection(mlp.up_proj, groups, acts)
     else:
@@ -145,13 +149,17 @@ class NativeLayers:
     ) -> None:
         self.choice, self.eps, self.scaling = choice, eps, scaling
         #: the same build's layers over a paged pool (``None`` where that build lacks them)
-        self.paged_fn = native_builds("decoder_layers_paged").get(choice.impl.removeprefix("cpu/"))
         self.flat = [t for layer in params for t in layer]  # LAYER_PARAMS tensors per layer
+        half = any(t.dtype in _HALF for t in self.flat)  # a half model's paged pools are not the paged build's float32
+        self.paged_fn = None if half else native_builds("decoder_layers_paged").get(choice.impl.removeprefix("cpu/"))
         self.num_layers = len(params)
         self.heads, self.kv_heads, self.head_dim = kv
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
         #: every projection is float (a target, a float draft): prompts may run here too (:meth:`LeanStep.takes_prompt`)
         self.float_only = not int8
+        #: the model's float weights are bfloat16 / float16 (``None``: float32): the layers take and return float32
+        #: hidden states all the same (:class:`~.step.LeanStep` converts at the embedding and the head)
+        self.half: torch.dtype | None = next((t.dtype for t in self.flat if t.dtype in _HALF), None)
         vnni = choice.impl == "cpu/avx512vnni"
         #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
         #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
@@ -211,8 +219,11 @@ class NativeLayers:
         if len({norm.variance_epsilon for norm in norms}) != 1:
             return None, "the RMSNorm epsilons differ"
         tensors = [t for layer in params for t in layer if t.numel()]
-        if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int8) for t in tensors):
-            return None, "the weights are not float32 (or int8) on the CPU"
+        if any(t.device.type != "cpu" or t.dtype not in (*_FLOAT_DTYPES, torch.int8) for t in tensors):
+            return None, "the weights are not float32, bfloat16, float16 (or int8) on the CPU"
+        scales = [t for layer in params for w, t in itertools.pairwise(layer) if w.dtype == torch.int8]
+        if any(t.dtype != torch.float32 for t in scales):
+            return None, "int8 scales are not float32"
         choice = layers_choice(groups, isa)
         if choice is None:
             return None, "no native build takes these weights: " + str(choose_layers_reasons(groups))
@@ -314,7 +325,7 @@ def _layer_params(
             return None, f"self_attn.{name} is {kind} (it takes float32 or int8 with a native kernel)"
     mlp = _mlp(layer.mlp, groups, acts)
     if mlp is None:
-        return None, f"the MLP ({type(layer.mlp).__name__}) is not a SiLU-gated one with float32 / int8 projections"
+        return None, f"the MLP ({type(layer.mlp).__name__}) is not a SiLU-gated one with float / int8 projections"
     head_norms = [_absent(), _absent()]
     if hasattr(attn, "q_norm"):
         if not (is_rms_norm(attn.q_norm) and is_rms_norm(attn.k_norm)):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.dispatch import is_tensor_parallel
+from ..kernels.ops import choose
 from ..kernels.tuning import CPU
 from .layers import (
     PROMPT_MASK_CELLS,
@@ -38,6 +39,7 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HEAD_KERNEL_ROWS = CPU.int8_head_kernel_rows  # an int8 head runs the kernel up to this many rows
+_HALF_HEAD_ROWS = 16  # a half-precision head runs half_linear up to this many rows (its limit)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -53,11 +55,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _half_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 / float16 ``nn.Linear`` head on float32 ``h [B, C, E]`` (a half model's native layers' output):
+    few rows through ``half_linear`` (float32 sums), more through the half GEMM; float32 logits either way."""
+    weight, bias = head.weight, head.bias
+    flat = h.reshape(-1, h.shape[-1])  # [B*C, E]
+    choice = choose("half_linear", "cpu", dtype=weight.dtype, in_features=weight.shape[1])
+    if choice.native and flat.shape[0] <= _HALF_HEAD_ROWS:
+        logits = choice.fn(flat.contiguous(), weight)  # [B*C, V] float32
+        logits = logits if bias is None else logits + bias
+    else:
+        logits = F.linear(flat.to(weight.dtype), weight, bias)
+    return logits.float().view(*h.shape[:-1], -1)  # float32 logits: the sums were float32 (F.linear: a prompt)
+
+
 def _head(head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
     ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' VNNI build, as the layers ran) where its
-    weight suits it."""
+    weight suits it. A half-precision head on float32 states (a half model's native layers): :func:`_half_head`."""
+    if h.dtype == torch.float32 and type(head) is nn.Linear and head.weight.dtype in (torch.bfloat16, torch.float16):
+        return _half_head(head, h)
     if not (
         weight_only_native(head)
         and h.is_cpu
@@ -119,12 +137,14 @@ class LeanStep:
         return None
 
     @staticmethod
-    def exact(model: nn.Module) -> LeanStep | None:
+    def exact(model: nn.Module, half: bool = False) -> LeanStep | None:
         """A step that runs ``model``'s own maths (float32 K/V; int8 projections weight-only, as its ``Int8Linear``
-        layers compute them, never W8A16 / W8A8): a target's, or the ``native`` feature's plain decoding. ``None``
-        where no native layers apply (:meth:`unsupported` / :attr:`why_not_native` say why)."""
+        layers compute them, never W8A16 / W8A8; W8A8 ones W8A8): a target's, or the ``native`` feature's plain
+        decoding. ``None`` where no native layers apply (:meth:`unsupported` / :attr:`why_not_native` say why), and
+        for half-precision weights unless ``half`` (the ``native`` feature asked of a half model: float32 activations
+        are not the half model's own rounding)."""
         step = LeanStep.build(model, kv_dtype=torch.float32)
-        if step is None or step.native is None:
+        if step is None or step.native is None or (step.native.half is not None and not half):
             return None
         step.native.w8a16 = step.native.w8a8 = False
         return step
@@ -180,7 +200,10 @@ class LeanStep:
         batch, width = ids.shape
         mask, positions = mask.to(ids.device), positions.to(ids.device)  # the layout may live on the host
         total = mask.shape[1]
+        native = self.native is not None and self.native.serves(cache)
         h = self.embed(ids)  # [B, C, E]
+        if native and self.native.half is not None:
+            h = h.float()  # a half model's native layers keep float32 hidden states (and rotations)
         cos, sin = self.rotary(h, position_ids=positions)  # each [B, C, D]
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, C, D]
         allowed = mask.bool()[:, None, None, :]  # [B, 1, 1, T]: every query sees its row's real tokens ...
@@ -188,7 +211,7 @@ class LeanStep:
             causal = torch.ones(width, total, dtype=torch.bool, device=mask.device).tril(total - width)  # [C, T]
             allowed = allowed & causal
         mode = None
-        if self.native is not None and self.native.serves(cache):
+        if native:
             allowed = allowed[:, 0].expand(batch, width, total)  # [B, C, T]
             mode = self.native.mode(batch * width, width)
             h = self.native(h, cos[:, 0], sin[:, 0], allowed, cache, mode)
@@ -197,7 +220,7 @@ class LeanStep:
         if last:
             h = h[:, -last:]
         if hidden:
-            return _rms_norm(self.norm, h)  # [B, C or last, E]
+            return _rms_norm(self.norm, h).to(self.norm.weight.dtype)  # [B, C or last, E] in the model's dtype
         kernel = None if mode is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
         return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C or last, V]
 

@@ -47,14 +47,28 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
     if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
         return "stop_strings without tokenizer="
-    return _padding_refusal(call)
+    return _padding_refusal(model, call)
 
 
-def _padding_refusal(call: GenerateCall) -> str | None:
+def _inferred_mask(model: nn.Module, call: GenerateCall, ids: torch.Tensor) -> torch.Tensor | None:
+    """The mask Transformers infers for a call without one: zeros at the pad token where it occurs and is not an
+    end-of-sequence token (``eos_token_id=None`` makes a chat template's end token padding), else none."""
+    pad = _option(call, model, "pad_token_id", None)
+    if pad is None:
+        return None
+    pad = int(torch.as_tensor(pad).flatten()[0])
+    eos = _option(call, model, "eos_token_id", None)
+    if (eos is not None and pad in torch.as_tensor(eos).flatten().tolist()) or not bool((ids == pad).any()):
+        return None
+    return ids.ne(pad).long()
+
+
+def _padding_refusal(model: nn.Module, call: GenerateCall) -> str | None:
     """Speculation takes left-padded rows only; Transformers' own decoding takes any mask (with a warning)."""
     ids, mask = call.input_ids(), call.kwargs.get("attention_mask")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return "no [batch, tokens] input_ids"
+    mask = mask if mask is not None else _inferred_mask(model, call, ids)
     if mask is None:
         return None
     try:

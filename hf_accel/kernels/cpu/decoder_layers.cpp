@@ -38,6 +38,10 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
+namespace hf_accel::cpu {
+torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight);  // half_gemm.cpp
+}
+
 namespace {
 
 #ifdef __AVX512F__
@@ -121,15 +125,28 @@ torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& weight) 
   return y;
 }
 
-// x [M, K] -> [M, N]: int8 weight (with scales) through the int8 kernel of `mode` (W8A8: row scales, K % 64 == 0, as
-// checked by the caller; W8A16 where hf_accel::w8a16::fits, else weight-only), else float_linear where it fits, else
-// at::linear; plus bias.
+// Up to this many rows half-precision projections run half_linear (its limit); a prompt's rows run the half GEMM.
+constexpr int64_t kHalfMaxRows = 16;
+
+// x [M, K] -> [M, N]: a bfloat16 / float16 weight through half_linear (few rows) or the half GEMM; an int8 weight
+// (with scales) through the int8 kernel of `mode` (W8A8: row scales, K % 64 == 0, as checked by the caller; W8A16
+// where hf_accel::w8a16::fits, else weight-only), else float_linear where it fits, else at::linear; plus bias.
 torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& p, size_t w, int64_t mode) {
   const torch::Tensor& weight = p[w];
   const torch::Tensor& scale = p[w + 1];
   const torch::Tensor& bias = p[w + 2];
   torch::Tensor y;
-  if (weight.scalar_type() != torch::kChar) {
+  const auto dtype = weight.scalar_type();
+  if (dtype == torch::kBFloat16 || dtype == torch::kHalf) {  // a half-precision model: float32 activations
+    if (x.size(0) <= kHalfMaxRows && x.size(1) % V::kLanes == 0) {
+      y = hf_accel::cpu::half_linear(x, weight);  // weights widened in registers, float32 sums
+    } else {
+      y = at::linear(x.to(dtype), weight).to(torch::kFloat);  // a prompt: the half GEMM (AMX where the CPU has it)
+    }
+    if (bias.numel()) y.add_(bias);
+    return y;
+  }
+  if (dtype != torch::kChar) {
     if (!dot_fits(x, weight)) return at::linear(x, weight, bias.numel() ? bias : torch::Tensor());
     y = float_linear(x, weight);
     if (bias.numel()) y.add_(bias);
@@ -151,7 +168,8 @@ constexpr int64_t kRowGrain = 64;
 
 // y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) over rows of length n (in place allowed); the sum of squares in
 // vector lanes (a serial scalar sum is a 4-cycle chain per element: ~2 ms of a 52-row chunk's 60 norms).
-void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+template <typename W>
+void rms_norm(const float* x, const W* w, float* y, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x + r * n;
@@ -165,9 +183,18 @@ void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n,
       float ss = V::sum(acc);
       for (; i < n; ++i) ss += xr[i] * xr[i];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      for (i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+      for (i = 0; i < n; ++i) yr[i] = static_cast<float>(w[i]) * (xr[i] * inv);
     }
   });
+}
+
+// The same with the norm's weight as stored: float32, or bfloat16 / float16 (a half-precision model's, read in place).
+void rms_norm(const float* x, const torch::Tensor& w, float* y, int64_t rows, int64_t n, float eps) {
+  switch (w.scalar_type()) {
+    case torch::kBFloat16: return rms_norm(x, w.data_ptr<at::BFloat16>(), y, rows, n, eps);
+    case torch::kHalf: return rms_norm(x, w.data_ptr<at::Half>(), y, rows, n, eps);
+    default: return rms_norm(x, w.data_ptr<float>(), y, rows, n, eps);
+  }
 }
 
 // Half-split rotary embedding of every head of x [M, heads, D] in place; cos / sin [M, D].
@@ -438,19 +465,19 @@ torch::Tensor run_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat
   auto attn = torch::empty({M, heads * D}, x.options());
   for (size_t l = 0; l < layers; ++l) {
     const std::vector<torch::Tensor> p(flat.begin() + l * kParams, flat.begin() + (l + 1) * kParams);
-    rms_norm(x.data_ptr<float>(), p[kLn1].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
+    rms_norm(x.data_ptr<float>(), p[kLn1], normed.data_ptr<float>(), M, E, eps);
     auto q = project(normed, p, kQ, mode).contiguous();  // [M, H*D]
     auto k = project(normed, p, kK, mode).contiguous();  // [M, H_kv*D]
     auto v = project(normed, p, kV, mode).contiguous();  // [M, H_kv*D]
     if (p[kQn].numel()) {
-      rms_norm(q.data_ptr<float>(), p[kQn].data_ptr<float>(), q.data_ptr<float>(), M * heads, D, eps);
-      rms_norm(k.data_ptr<float>(), p[kKn].data_ptr<float>(), k.data_ptr<float>(), M * kv_heads, D, eps);
+      rms_norm(q.data_ptr<float>(), p[kQn], q.data_ptr<float>(), M * heads, D, eps);
+      rms_norm(k.data_ptr<float>(), p[kKn], k.data_ptr<float>(), M * kv_heads, D, eps);
     }
     rotate(q.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, heads, D);
     rotate(k.data_ptr<float>(), cs.data_ptr<float>(), sn.data_ptr<float>(), M, kv_heads, D);
     attend(l, q, k, v, attn);
     x.add_(project(attn, p, kO, mode));
-    rms_norm(x.data_ptr<float>(), p[kLn2].data_ptr<float>(), normed.data_ptr<float>(), M, E, eps);
+    rms_norm(x.data_ptr<float>(), p[kLn2], normed.data_ptr<float>(), M, E, eps);
     torch::Tensor gate, up;
     if (p[kUp].numel()) {
       gate = project(normed, p, kGate, mode);

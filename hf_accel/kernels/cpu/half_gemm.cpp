@@ -29,7 +29,12 @@ inline V::F widen_bf16(const uint16_t* p) {  // 8 bf16 -> 8 float
 inline V::F widen_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
-// x [M <= 16, K] float32 @ weight [N, K]^T (bfloat16 or float16, contiguous), K a multiple of the lanes.
+}  // namespace
+
+namespace hf_accel::cpu {
+
+// x [M <= 16, K] float32 @ weight [N, K]^T (bfloat16 or float16, contiguous), K a multiple of the lanes. Also the
+// native layers' projection for half-precision weights (decoder_layers.cpp).
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   const bool bf16 = weight.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || weight.scalar_type() == torch::kHalf, "half_linear: the weight must be bfloat16 or float16");
@@ -50,10 +55,6 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   }
   return y;
 }
-
-}  // namespace
-
-namespace hf_accel::cpu {
 
 void register_half_gemm(pybind11::module_& m) {
   m.def("half_linear", &half_linear, "x [M <= 16, K] fp32 @ w [N, K]^T, w bfloat16 / float16: float32 sums");
