@@ -136,9 +136,10 @@ def test_weights_replaced_after_patching_are_followed():
 
 
 def test_a_cast_model_runs_its_own_forward(caplog):
-    """Without ``NativeConfig.half_precision`` (the default patch's), a cast to bfloat16 hands the forward back to
-    the model (with it, the executor follows the cast: tests/test_native_half.py)."""
-    plain, patched = _pair("llama", fused_mlp=False, native=hf_accel.NativeConfig(half_precision=False))
+    """The default patch's executor (``NativeConfig(half_precision=False)``): a cast to bfloat16 hands the forward
+    back to the model (``native=True`` follows the cast instead: tests/test_native_half.py)."""
+    plain, patched = _pair("llama", fused_mlp=False, native=hf_accel.patch.default_config(tiny_model("llama")).native)
+    assert not hf_accel.patch_report(patched)["features"]["native"]["half_precision"]
     for model in (plain, patched):
         model.to(torch.bfloat16)
     ids, mask = random_batch(1, [6], seed=6)

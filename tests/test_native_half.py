@@ -9,8 +9,6 @@ part at near-ties.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, tiny_model
@@ -87,19 +85,6 @@ def test_half_weights_edits_casts_and_unpatch(caplog):
     assert patched.forward.calls - calls == 6 and patched.forward.step.native.half is None
     hf_accel.unpatch_model(patched)
     assert "forward" not in vars(patched)
-
-
-def test_a_float32_model_cast_to_half_after_patching_runs_its_own_forward(caplog):
-    """The default patch's executor on a float32 model does not turn into the opt-in half path after a cast."""
-    plain = tiny_model("llama").to(torch.bfloat16)
-    patched = hf_accel.patch_model(tiny_model("llama"), **NO_AUTO_SPECULATION)  # the default: no half precision
-    assert not hf_accel.patch_report(patched)["features"]["native"]["half_precision"]
-    patched.to(torch.bfloat16)
-    ids, mask = random_batch(1, [6], seed=6)
-    with caplog.at_level(logging.WARNING, logger="hf_accel.native.apply"):
-        got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, **NO_EOS)
-    assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, **NO_EOS))
-    assert patched.forward.calls == 0 and "the executor cannot serve it any more" in caplog.text
 
 
 def test_half_models_keep_the_keyword_only_default_and_say_why():
