@@ -2,7 +2,10 @@
 hf_accel precision and path, and llama.cpp on GGUF files when ``llama-cpp-python`` is importable.
 
     python benchmarks/bench_cpu_peers.py [--new-tokens 64] [--repeats 3] [--ppl-tokens 2048] [--paths REGEX]
-                                         [--gguf f32.gguf bf16.gguf q8_0.gguf]
+                                         [--gguf f32.gguf bf16.gguf q8_0.gguf] [--shared-process]
+
+Each path runs in a fresh process (the bandwidth limit and the GEMM peak are measured first, in this one): in one
+shared process, paths that ran after others were up to 35% slower.
 
 Prints, per path: decode tok/s on a short chat prompt, decode tok/s and TTFT on a 388-token prompt, the decode rate
 as a share of the bandwidth limit for its weight bytes (speculative paths can pass 100%: several tokens per weight
@@ -20,11 +23,14 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import math
 import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +43,8 @@ from hf_accel.core.metrics import TimingStreamer
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 CHAT = "Write a short poem about the sea."
+GGUF_PREFIX = "gguf:"
+ROW_MARK = "ROW "
 
 
 def bandwidth_gbs(gib: int = 2) -> float:
@@ -177,21 +185,18 @@ def _run(timer: Callable[..., Any], target: Any, prompts: dict[str, torch.Tensor
     }
 
 
-def _gguf_rows(paths: list[str], prompts: dict[str, torch.Tensor], text: torch.Tensor, args: Any) -> dict:
+def _gguf_row(path: str, prompts: dict[str, torch.Tensor], text: torch.Tensor, args: Any) -> dict | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         print("llama-cpp-python is not importable: the GGUF rows are skipped")
-        return {}
-    rows = {}
-    for path in paths:
-        llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
-        precision = "int8" if "q8" in Path(path).name.lower() else "bf16" if "bf16" in path.lower() else "fp32"
-        row = _run(_time_llama, llm, prompts, args.new_tokens, args.repeats)
-        del llm
-        ppl = _ppl_llama(path, text) if args.ppl_tokens else None
-        rows[f"llama.cpp {Path(path).name}"] = {**row, "precision": precision, "builds": "llama.cpp", "ppl": ppl}
-    return rows
+        return None
+    llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
+    precision = "int8" if "q8" in Path(path).name.lower() else "bf16" if "bf16" in path.lower() else "fp32"
+    row = _run(_time_llama, llm, prompts, args.new_tokens, args.repeats)
+    del llm
+    ppl = _ppl_llama(path, text) if args.ppl_tokens else None
+    return {**row, "precision": precision, "builds": "llama.cpp", "ppl": ppl}
 
 
 def _print(rows: dict, limit: dict[str, float], ppl_tokens: int, prefill_gflop: float, peak: float) -> None:
@@ -225,35 +230,61 @@ def main() -> None:
     parser.add_argument("--paths", default="", help="regex: only the hf_accel / Transformers paths it matches "
                         "(Transformers fp32 always runs: the reference)")  # fmt: skip
     parser.add_argument("--gguf", nargs="*", default=[], help="llama.cpp GGUF files of the same weights")
+    parser.add_argument("--shared-process", action="store_true", help="run every path in this process (by default "
+                        "each runs in a fresh one: paths run after others here were up to 35%% slower)")  # fmt: skip
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # internal: one path, its row as JSON on stdout
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = hf_accel.load_default()
     prompts = _prompts(tokenizer)
     text = torch.tensor(tokenizer(_text())["input_ids"][: args.ppl_tokens])
+    if args.only is not None:
+        print(ROW_MARK + json.dumps(_row(args.only, model, prompts, text, args)))
+        return
     gbs, peak = bandwidth_gbs(), gemm_gflops()
     params = sum(p.numel() for p in model.parameters())
-    # the prompt's products: every decoder linear on 388 rows (the head runs on the last row only)
-    linears = sum(
-        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n
-    )
-    prefill_gflop = 2 * linears * prompts["388"].shape[1] / 1e9
+    prefill_gflop = _prompt_gflop(model, prompts["388"].shape[1])
     limit = {"fp32": gbs * 1e9 / (4 * params), "bf16": gbs * 1e9 / (2 * params), "int8": gbs * 1e9 / params}
     print(f"host: {_host()}")
     print(f"read bandwidth {gbs:.1f} GB/s: batch-1 decode limit fp32 {limit['fp32']:.0f}, bf16 {limit['bf16']:.0f}, "
           f"int8 {limit['int8']:.0f} tok/s; torch threads {torch.get_num_threads()}")  # fmt: skip
     print(f"fp32 peak (torch.mm 2048^3) {peak:.0f} GFLOP/s; a 388-token prompt's products: {prefill_gflop:.1f} GFLOP")
+    labels = [label for label in _paths(model) if label == "Transformers fp32" or re.search(args.paths, label)]
+    labels += [f"{GGUF_PREFIX}{path}" for path in args.gguf]
+    del model
     rows = {}
-    for label, (build, precision) in _paths(model).items():
-        if label != "Transformers fp32" and not re.search(args.paths, label):
-            continue
-        target = build()
-        row = _run(_time_hf, target, prompts, args.new_tokens, args.repeats)
-        ppl = _ppl_hf(target, text) if args.ppl_tokens else None
-        rows[label] = {**row, "precision": precision, "builds": _builds(target), "ppl": ppl}
-        del target
-        gc.collect()
-    rows.update(_gguf_rows(args.gguf, prompts, text, args))
+    for label in labels:
+        row = _row(label, None, prompts, text, args) if args.shared_process else _row_apart(label)
+        name = f"llama.cpp {Path(label[len(GGUF_PREFIX) :]).name}" if label.startswith(GGUF_PREFIX) else label
+        if row is not None:
+            rows[name] = row
     _print(rows, limit, args.ppl_tokens, prefill_gflop, peak)
+
+
+def _row(label: str, model: Any, prompts: dict[str, torch.Tensor], text: torch.Tensor, args: Any) -> dict | None:
+    """One path's row (a GGUF file where ``label`` starts with :data:`GGUF_PREFIX`); ``None`` where it cannot run."""
+    if label.startswith(GGUF_PREFIX):
+        return _gguf_row(label[len(GGUF_PREFIX) :], prompts, text, args)
+    model = model if model is not None else hf_accel.load_default()[0]
+    build, precision = _paths(model)[label]
+    target = build()
+    row = _run(_time_hf, target, prompts, args.new_tokens, args.repeats)
+    ppl = _ppl_hf(target, text) if args.ppl_tokens else None
+    row = {**row, "precision": precision, "builds": _builds(target), "ppl": ppl}
+    del target
+    gc.collect()
+    return row
+
+
+def _row_apart(label: str) -> dict | None:
+    """:func:`_row` in a fresh process (this script with ``--only``), so no path runs in the wake of another's."""
+    forwarded = [a for a in sys.argv[1:] if a != "--shared-process"]
+    done = subprocess.run([sys.executable, __file__, *forwarded, "--only", label], capture_output=True, text=True)
+    found = [line for line in done.stdout.splitlines() if line.startswith(ROW_MARK)]
+    if done.returncode or not found:
+        print(f"{label}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(found[-1][len(ROW_MARK) :])
 
 
 if __name__ == "__main__":
