@@ -15,7 +15,8 @@ path; llama.cpp's too, from its logits over the same token ids), and which kerne
 (``patch_report``). Speed is never asserted: read the ratios of one run. ``ATEN_CPU_CAPABILITY=avx2`` (with
 ``MKL_ENABLE_INSTRUCTIONS=AVX2``) runs everything as on an AVX2-only CPU: hf_accel then takes its AVX2 builds.
 The GGUF files (llama.cpp's ``convert_hf_to_gguf.py`` on the converted default model, ``--outtype f32 / bf16 /
-q8_0``) are optional; building ``llama-cpp-python`` takes 10-25 minutes, so it is never part of CI.
+q8_0``) are optional; ``pip install -e .[peers]`` builds ``llama-cpp-python`` (6-25 minutes, so never part of CI; in
+a VM without AMX tile state pass the CMAKE_ARGS of docs/log/2026-12-06-cpu-peers.md, or its Q8_0 path faults).
 """
 
 from __future__ import annotations
