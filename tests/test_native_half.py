@@ -9,6 +9,8 @@ part at near-ties.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, tiny_model
@@ -111,3 +113,21 @@ def test_speculative_verification_of_a_half_model_keeps_its_own_maths():
     assert target_step(tiny_model("llama", dtype=torch.bfloat16)) is None
     _, patched = _pair("llama", torch.bfloat16)
     assert target_step(patched).native.half == torch.bfloat16
+
+
+def test_threads_share_a_half_models_executor():
+    widened, patched = _pair("qwen2", torch.bfloat16)
+    batches = [random_batch(1, [n], seed=n) for n in (5, 9, 12, 7)]
+    expected = [widened.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
+    got: list = [None] * len(batches)
+
+    def run(k: int) -> None:
+        ids, mask = batches[k]
+        got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **NO_EOS)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
