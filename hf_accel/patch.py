@@ -11,7 +11,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import torch
 from torch import nn
 
 from .compile.apply import apply_compile, bind_compile, plain_compile
@@ -25,6 +24,7 @@ from .engine.apply import bind_generate_many
 from .fused.apply import apply_fused_mlp
 from .generate import bind_generate
 from .native.apply import apply_native, native_unavailable
+from .native.half import HALF_DTYPES
 from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8
 from .quant.bnb import is_bnb_linear
@@ -86,7 +86,7 @@ def _cpu_refusal(model: nn.Module) -> str | None:
     weight = next(model.parameters())
     if weight.device.type != "cpu":
         return f"weights on {weight.device.type} (the CPU default is measured on the CPU only)"
-    if model_dtype(model) in (torch.bfloat16, torch.float16):
+    if model_dtype(model) in HALF_DTYPES:
         return "half-precision weights: the executor's float32 sums round differently from the model (native=True)"
     why = native_unavailable(model)
     return None if why is None else f"the native executor cannot serve it: {why}"

@@ -76,7 +76,7 @@ def _panel_fit(isa: str, needs: dict[str, Any]) -> str | None:
 def _half_fit(isa: str, needs: dict[str, Any]) -> str | None:
     lanes = 16 if isa in _AVX512 else 8
     dtype, k = needs.get("dtype"), needs.get("in_features")
-    if dtype is not None and dtype not in (torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in reference.HALF_DTYPES:
         return f"it takes bfloat16 / float16 weights, got {dtype}"
     if k is not None and k % lanes:
         return f"in_features {k} is not a multiple of its {lanes} lanes"

@@ -19,6 +19,7 @@ __all__ = [
     "ACT16_BLOCK",
     "ACT_BLOCK",
     "ACT_LANES",
+    "HALF_DTYPES",
     "HALF_MAX_ROWS",
     "W8A16_MAX_K",
     "decoder_layers",
@@ -238,7 +239,10 @@ LAYER_PARAMS = (
 WEIGHT_ONLY, W8A16, W8A8 = 0, 1, 2
 
 
-#: up to this many rows the native layers' half-precision projections keep float32 activations (half_linear)
+#: the half-precision weight dtypes ``half_linear`` and the native layers read in place
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: up to this many rows ``half_linear`` takes a call, and the native layers' half-precision projections keep float32
+#: activations (its ``kMaxRows``)
 HALF_MAX_ROWS = 16
 
 
@@ -248,7 +252,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _project(x: torch.Tensor, p: dict[str, torch.Tensor], name: str, mode: int) -> torch.Tensor:
     weight, scale, bias = p[name], p[f"{name}_scale"], p[f"{name}_bias"]
-    if weight.dtype in (torch.bfloat16, torch.float16):  # a half model: float32 sums for few rows, the half GEMM above
+    if weight.dtype in HALF_DTYPES:  # a half model: float32 sums for few rows, the half GEMM above
         y = x @ weight.float().T if x.shape[0] <= HALF_MAX_ROWS else (x.to(weight.dtype) @ weight.T).float()
     elif weight.dtype != torch.int8:
         y = x @ weight.T

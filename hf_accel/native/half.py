@@ -20,13 +20,13 @@ from torch import nn
 from ..core.recorder import Recorder
 from ..core.registry import decoder_linears, get_spec
 from ..kernels.ops import Choice, choose
+from ..kernels.reference import HALF_DTYPES, HALF_MAX_ROWS
 from .layers import has_hooks
 
 __all__ = ["HALF_DTYPES", "MAX_ROWS", "apply_half_linears", "half_unavailable"]
 
 FEATURE = "native"
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-MAX_ROWS = 16  # activation rows the kernel takes (decode steps and short chunks); more go to F.linear
+MAX_ROWS = HALF_MAX_ROWS  # activation rows the kernel takes (decode steps and short chunks); more go to F.linear
 _KERNELS: dict[torch.dtype, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}  # the chosen build's, per dtype
 
 

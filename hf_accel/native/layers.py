@@ -21,7 +21,7 @@ from transformers.activations import SiLUActivation
 
 from ..fused.mlp import FusedGatedMLP
 from ..kernels.ops import Choice, choose, native_builds
-from ..kernels.reference import W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
+from ..kernels.reference import HALF_DTYPES, W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
 from ..kernels.tuning import CPU
 from ..quant.linear import Int8Linear, w8a8_fits
 from .growing import GrowingLayer
@@ -49,8 +49,7 @@ W8A16_MIN_ROWS = CPU.w8a16_min_rows
 PROMPT_MASK_CELLS = CPU.prompt_mask_cells
 #: float weight dtypes the native layers read in place: float32, and a half-precision model's bfloat16 / float16
 #: (products widened to float32 in registers for few rows, the half GEMM for a prompt; activations stay float32)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HALF = (torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, *HALF_DTYPES)
 #: the int8 group-size multiple each build's layers need (their weight-only int8 kernel's lanes)
 _LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8}
 
@@ -148,18 +147,19 @@ class NativeLayers:
         self, choice: Choice, params: list[list[torch.Tensor]], eps: float, scaling: float, kv: tuple[int, int, int]
     ) -> None:
         self.choice, self.eps, self.scaling = choice, eps, scaling
-        #: the same build's layers over a paged pool (``None`` where that build lacks them)
         self.flat = [t for layer in params for t in layer]  # LAYER_PARAMS tensors per layer
-        half = any(t.dtype in _HALF for t in self.flat)  # a half model's paged pools are not the paged build's float32
-        self.paged_fn = None if half else native_builds("decoder_layers_paged").get(choice.impl.removeprefix("cpu/"))
+        #: the model's float weights are bfloat16 / float16 (``None``: float32): the layers take and return float32
+        #: hidden states all the same (:class:`~.step.LeanStep` converts at the embedding and the head)
+        self.half: torch.dtype | None = next((t.dtype for t in self.flat if t.dtype in HALF_DTYPES), None)
+        #: the same build's layers over a paged pool (``None`` where that build lacks them, and for half weights: a
+        #: half model's paged pools are not the paged build's float32)
+        builds = native_builds("decoder_layers_paged")
+        self.paged_fn = None if self.half is not None else builds.get(choice.impl.removeprefix("cpu/"))
         self.num_layers = len(params)
         self.heads, self.kv_heads, self.head_dim = kv
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
         #: every projection is float (a target, a float draft): prompts may run here too (:meth:`LeanStep.takes_prompt`)
         self.float_only = not int8
-        #: the model's float weights are bfloat16 / float16 (``None``: float32): the layers take and return float32
-        #: hidden states all the same (:class:`~.step.LeanStep` converts at the embedding and the head)
-        self.half: torch.dtype | None = next((t.dtype for t in self.flat if t.dtype in _HALF), None)
         vnni = choice.impl == "cpu/avx512vnni"
         #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
         #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..core.dispatch import is_tensor_parallel
 from ..kernels.ops import choose
+from ..kernels.reference import HALF_DTYPES, HALF_MAX_ROWS
 from ..kernels.tuning import CPU
 from .layers import (
     PROMPT_MASK_CELLS,
@@ -39,7 +40,6 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HEAD_KERNEL_ROWS = CPU.int8_head_kernel_rows  # an int8 head runs the kernel up to this many rows
-_HALF_HEAD_ROWS = 16  # a half-precision head runs half_linear up to this many rows (its limit)
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _half_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     weight, bias = head.weight, head.bias
     flat = h.reshape(-1, h.shape[-1])  # [B*C, E]
     choice = choose("half_linear", "cpu", dtype=weight.dtype, in_features=weight.shape[1])
-    if choice.native and flat.shape[0] <= _HALF_HEAD_ROWS:
+    if choice.native and flat.shape[0] <= HALF_MAX_ROWS:
         logits = choice.fn(flat.contiguous(), weight)  # [B*C, V] float32
         logits = logits if bias is None else logits + bias
     else:
@@ -74,7 +74,7 @@ def _head(head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] 
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
     ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' VNNI build, as the layers ran) where its
     weight suits it. A half-precision head on float32 states (a half model's native layers): :func:`_half_head`."""
-    if h.dtype == torch.float32 and type(head) is nn.Linear and head.weight.dtype in (torch.bfloat16, torch.float16):
+    if h.dtype == torch.float32 and type(head) is nn.Linear and head.weight.dtype in HALF_DTYPES:
         return _half_head(head, h)
     if not (
         weight_only_native(head)
