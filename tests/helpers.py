@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -102,3 +105,24 @@ def cpu_build(isa: str | None = None):
 #: ``patch_model`` keywords that keep greedy calls decoding one token per step (the default patch speculates them
 #: automatically on the CPU for the Llama family): for tests that count or inspect plain decoding steps
 NO_AUTO_SPECULATION = {"speculative": SpeculativeConfig()}
+
+
+def run_threads(work: list[Callable[[], None]], timeout: float = 240) -> None:
+    """Run each job of ``work`` in its own thread and join them all; the first job's exception is re-raised here,
+    and a thread still running after ``timeout`` seconds fails the test."""
+    errors: list[BaseException] = []
+
+    def guarded(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(job,)) for job in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    if errors:
+        raise errors[0]

@@ -5,11 +5,10 @@ unpatched model's. Calls speculation cannot reproduce exactly, or does not suppo
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
-from helpers import random_batch, tiny_model
+from helpers import random_batch, run_threads, tiny_model
 
 import hf_accel
 from hf_accel.core.errors import IncompatibleOptionsError, UnsupportedModelError
@@ -128,11 +127,7 @@ def test_concurrent_default_calls_share_one_draft_and_equal_the_unpatched_model(
         for _ in range(3):
             got[i] = patched.generate(input_ids=batches[i][0], attention_mask=batches[i][1], **KW)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda i=i: run(i) for i in range(4)])
     assert all(torch.equal(got[i], expected[i]) for i in range(4))
 
 

@@ -7,11 +7,10 @@ Transformers' default (0.02), where logits sit close together and a float-order 
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import torch
-from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, tiny_model
+from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, run_threads, tiny_model
 from transformers import DynamicCache, StaticCache
 
 import hf_accel
@@ -160,11 +159,7 @@ def test_threads_share_the_executor():
         for _ in range(3):
             results[index] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda i=i: run(i) for i in range(4)])
     assert all(torch.equal(results[i], expected[i]) for i in range(4))
 
 

@@ -9,11 +9,9 @@ part at near-ties.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, tiny_model
+from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, run_threads, tiny_model
 from transformers import DynamicCache
 
 import hf_accel
@@ -125,9 +123,5 @@ def test_threads_share_a_half_models_executor():
         ids, mask = batches[k]
         got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **NO_EOS)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(batches))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda k=k: run(k) for k in range(len(batches))])
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

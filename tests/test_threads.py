@@ -5,12 +5,11 @@ calls gets a typed error."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import PAD, random_batch, tiny_model
+from helpers import PAD, random_batch, run_threads, tiny_model
 
 import hf_accel
 from hf_accel import Engine, PagedConfig, SpeculativeConfig
@@ -38,25 +37,6 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([ids, ids[:, -5:]], 1), torch.cat([mask, mask[:, -5:]], 1)  # a repeat: lookup proposes
 
 
-def _run_threads(work: list[Callable[[], None]], timeout: float = 240) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(job: Callable[[], None]) -> None:
-        try:
-            job()
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(job,)) for job in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a thread hung"
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_concurrent_generate_of_every_feature_equals_its_single_threaded_run(arch):
     plain = tiny_model(arch)
@@ -76,7 +56,7 @@ def test_concurrent_generate_of_every_feature_equals_its_single_threaded_run(arc
             ids, mask = _batch(i)
             got[name, i, t * 100 + c] = model.generate(input_ids=ids, attention_mask=mask, **features[name], **KW)
 
-    _run_threads([lambda t=t: worker(t) for t in range(THREADS)])
+    run_threads([lambda t=t: worker(t) for t in range(THREADS)])
     assert len(got) == THREADS * (CALLS * len(jobs) // THREADS)
     wrong = [key for key, out in got.items() if not torch.equal(out, expected[key[:2]])]
     assert not wrong, f"outputs that differ from the single-threaded run: {wrong}"
@@ -105,7 +85,7 @@ def test_engine_serves_while_plain_and_paged_generate_run_beside_it():
                 assert torch.equal(out, ref)
 
     try:
-        _run_threads([lambda: client(0), lambda: client(1), lambda: beside(False), lambda: beside(True)])
+        run_threads([lambda: client(0), lambda: client(1), lambda: beside(False), lambda: beside(True)])
     finally:
         engine.stop(timeout=60)
     assert [results[j] for j in range(len(prompts))] == refs
