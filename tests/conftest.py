@@ -8,7 +8,8 @@ from helpers import ARCHS, tiny_model
 
 from hf_accel.models import find_default_gguf, load_default
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: CPU, and CUDA marked ``cuda`` (skipped without a device; ``pytest -m cuda`` selects it on a GPU machine)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,7 +37,7 @@ def tiny(arch: str):
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """CPU, plus CUDA when one is present."""
+    """CPU, and CUDA (skipped where there is none)."""
     return torch.device(request.param)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from hf_accel.kernels import reference
+from hf_accel.kernels import portable, reference
 from hf_accel.kernels.build import cpu_isas
 from hf_accel.kernels.ops import OPS, choose, native_builds, op
 from hf_accel.quant.core import quantize
@@ -219,11 +219,19 @@ def test_choice_takes_the_widest_build_that_fits_and_says_why_not_the_others():
     assert odd.rejected["cpu/avx2"] == "int8 groups of 4 are not a multiple of its 8 lanes"
 
 
-def test_other_devices_run_the_reference_and_say_so():
+def test_other_devices_run_the_portable_implementation_or_the_reference_and_say_so():
     choice = choose("paged_attention", "meta")
-    assert choice.impl == "reference" and choice.rejected == {
-        "cpu/*": "no meta implementation yet: the pure-torch reference runs on meta"
+    assert choice.impl == "meta/portable" and choice.native and choice.fn is portable.paged_attention
+    assert choice.why == portable.WHY["paged_attention"]
+    assert choice.rejected == {
+        "cpu/*": "native builds are CPU code; this call is on meta",
+        "cuda/triton": "a CUDA kernel; this call is on meta",
+        "reference": "written to be plainly right, not fast",
     }
+    assert choose("int8_linear", "cuda", group_size=64).fn is portable.int8_linear
+    plain = choose("float_linear", "meta")  # no portable form: the reference, said so
+    assert plain.impl == "reference" and not plain.native
+    assert plain.rejected == {"cpu/*": "native builds are CPU code; this call is on meta"}
 
 
 def test_pretended_cpu_changes_the_choice(pretend_cpu_lacks):

@@ -78,16 +78,20 @@ def test_paged_decode_op_writes_then_attends_like_the_reference():
     q_pos = torch.tensor([[6], [-1], [10]], dtype=torch.int32)  # row 1 released
     slots = torch.tensor([2 * 4 + 2, -1, 9 * 4 + 2])  # each row's position q_pos in its table
     ref_k, ref_v = k_pool.clone(), v_pool.clone()
-    out = op(q, k, v, ref_k, ref_v, slots, tables, q_pos, 0.25, 0, 0.0, False)  # reference path
+    out = op(q, k, v, ref_k, ref_v, slots, tables, q_pos, 0.25, 0, 0.0, "reference")
     assert torch.equal(ref_k[2, 2], k[0, :, 0]) and torch.equal(ref_v[9, 2], v[2, :, 0])
     assert torch.equal(ref_k[7], k_pool[7])  # the released row wrote nothing
     assert torch.equal(out[1], torch.zeros_like(out[1]))  # and attends to nothing
     row0 = table_attention(q[:1], ref_k, ref_v, tables[:1], q_pos[:1], 0.25, 0, 0.0)
     assert torch.equal(out[:1], row0)
+    port_k, port_v = k_pool.clone(), v_pool.clone()
+    port = op(q, k, v, port_k, port_v, slots, tables, q_pos, 0.25, 0, 0.0, "portable")  # the accelerators' maths
+    assert torch.equal(port_k, ref_k) and torch.equal(port_v, ref_v)
+    assert_close(port, out, atol=1e-6, rtol=1e-5, name="portable vs reference")
     if not choose("paged_attention", "cpu").native:
         pytest.skip("no native paged attention here")
     ker_k, ker_v = k_pool.clone(), v_pool.clone()
-    got = op(q, k, v, ker_k, ker_v, slots, tables, q_pos, 0.25, 0, 0.0, True)
+    got = op(q, k, v, ker_k, ker_v, slots, tables, q_pos, 0.25, 0, 0.0, "native")
     assert torch.equal(ker_k, ref_k) and torch.equal(ker_v, ref_v)
     assert_close(got, out, atol=1e-5, rtol=1e-5, name="kernel vs reference")  # fp32, summation order only
 

@@ -184,9 +184,15 @@ def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Rec
         recorder.note(FEATURE, "paged decode step not compiled (the model is dispatched over devices or sharded)")
         return
     define_paged_op()
-    step = CompiledPagedDecode(model, config.compile_kwargs())
+    device = devices.pop()
+    static = config.step_graphs(device.type)
+    kwargs = config.compile_kwargs(graphs=static and device.type == "cuda")
+    step = CompiledPagedDecode(model, kwargs, static_shapes=static)
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)
+    if static:
+        graphs = "captured in CUDA graphs" if step.graphs else "no CUDA graphs here"
+        recorder.note(FEATURE, f"paged decode step padded to bucketed shapes ({graphs}, mode {kwargs.get('mode')})")
 
 
 def plain_compile(copy: nn.Module) -> None:

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..paged.attention import DECODE_MAX_QUERY, PLAN_KWARG
+from ..paged.attention import DECODE_MAX_QUERY, PLAN_KWARG, step_attention
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
 from ..paged.step_op import DecodePlan
+from .buckets import pad_step
 
 __all__ = ["CompiledPagedDecode"]
 
@@ -56,8 +57,13 @@ class CompiledPagedDecode:
     step; everything else (prompts, long chunks, other options) goes to the original ``forward`` unchanged.
     """
 
-    def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any], static_shapes: bool = False) -> None:
         self.model = model
+        #: pad every step to bucketed shapes (:mod:`.buckets`), as CUDA graphs need; on CUDA the pools' addresses are
+        #: then marked static (graphs may write them) and results are copied out of the graphs' buffers
+        self.static_shapes = static_shapes
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.graphs = static_shapes and on_cuda and compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune")
         self.original = types.MethodType(type(model).forward, model)
         # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
         # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
@@ -78,6 +84,15 @@ class CompiledPagedDecode:
             input_ids=input_ids, position_ids=position_ids, cache=None, use_cache=False, **{PLAN_KWARG: plan}
         )
         return out.logits  # [B, W, V]
+
+    def _mark_static(self, cache: PagedCache) -> None:
+        """Tell the compiler the pools keep their addresses (CUDA graphs write them in place; a pool that moves, a
+        grown one or another cache's, makes the graphs re-record, never recompile)."""
+        if not self.graphs:
+            return
+        for layer in cache.layers:
+            torch._dynamo.mark_static_address(layer.keys, guard=False)
+            torch._dynamo.mark_static_address(layer.values, guard=False)
 
     def _paged_cache(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> PagedCache | None:
         cache = kwargs.get("cache")
@@ -111,7 +126,11 @@ class CompiledPagedDecode:
         mask = kwargs.get("attention_mask")
         padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
-        if tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
+        rows = ids.shape[0]
+        if self.static_shapes:
+            ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
+            self._mark_static(cache)
+        elif tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
             tables = torch.nn.functional.pad(tables, (0, 1))
         torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
         for t in (ids, position_ids, slots, tables, q_pos):  # rows leave mid-call (speculative decoding's
@@ -126,10 +145,12 @@ class CompiledPagedDecode:
             for x in layers:
                 torch._dynamo.maybe_mark_dynamic(x.keys, 0)
                 torch._dynamo.maybe_mark_dynamic(x.values, 0)
-        kernel = layers[0].attention.native  # the cache's choice (kernels.ops.choose), reported with the cache
+        attention = step_attention(layers[0].attention)  # the cache's choice, reported with the cache
         plan = DecodePlan(
-            slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), kernel
+            slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), attention
         )  # fmt: skip
         logits = self.compiled(ids, position_ids, plan)
+        if self.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
+            logits = logits[:rows].clone() if self.graphs else logits[:rows]
         self.steps += 1
         return CausalLMOutputWithPast(logits=logits, cache=cache)

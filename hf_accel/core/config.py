@@ -87,8 +87,10 @@ class PagedConfig:
         max_memory: bytes the pool may reserve: an int or a string such as ``"1GiB"`` (:func:`parse_bytes`; stored
             as an int); ``None`` picks a budget from free memory.
         prefix_cache: keep full prompt blocks across ``generate`` calls and reuse matching prefixes.
-        attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds, else ``"gather"``),
-            ``"kernel"`` (error when unavailable) or ``"gather"`` (gather each row's context, then SDPA).
+        attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds, the batched portable
+            implementation on accelerators, else ``"gather"``), ``"kernel"`` (error when neither applies),
+            ``"batched"`` (the accelerators' implementation, on any device) or ``"gather"`` (gather each row's
+            context, then SDPA, row by row).
     """
 
     block_size: int = 16
@@ -97,7 +99,7 @@ class PagedConfig:
     prefix_cache: bool = False
     attention: str = "auto"
 
-    ATTENTION_MODES: ClassVar[tuple[str, ...]] = ("auto", "kernel", "gather")
+    ATTENTION_MODES: ClassVar[tuple[str, ...]] = ("auto", "kernel", "batched", "gather")
 
     def __post_init__(self) -> None:
         _check_int(self, "block_size", minimum=1)
@@ -178,6 +180,11 @@ class CompileConfig:
         fullgraph: fail on graph breaks instead of splitting the graph.
         backend: ``torch.compile`` backend: ``"inductor"`` (generates kernels), ``"aot_eager"`` or ``"eager"``
             (trace only: quick, for tests).
+        cuda_graphs: capture the paged decode step in CUDA graphs: each step is padded to bucketed shapes (batch
+            and block-table width to powers of two, :mod:`hf_accel.compile.buckets`) and compiled with
+            ``mode="reduce-overhead"`` (unless ``mode`` names another graph mode). ``None``: on for a model on CUDA
+            with the inductor backend, off elsewhere. ``True`` elsewhere pads to the same buckets without graphs
+            (the shapes the CUDA path runs, testable on the CPU).
     """
 
     prepack: bool = True
@@ -187,6 +194,7 @@ class CompileConfig:
     dynamic: bool = False
     fullgraph: bool = False
     backend: str = "inductor"
+    cuda_graphs: bool | None = None
 
     MODES: ClassVar[tuple[str, ...]] = (
         "default",
@@ -201,18 +209,25 @@ class CompileConfig:
         _check_choice(self, "backend", self.BACKENDS)
         for name in ("prepack", "decode_step", "dynamic", "fullgraph"):
             _check_bool(self, name)
-        if self.mlp is not None:
-            _check_bool(self, "mlp")
+        for name in ("mlp", "cuda_graphs"):
+            if getattr(self, name) is not None:
+                _check_bool(self, name)
         if self.mode != "default" and self.backend != "inductor":
             _fail(type(self), "mode", f"needs backend='inductor' (backend is {self.backend!r})", self.mode)
 
-    def compile_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``torch.compile``."""
+    def compile_kwargs(self, graphs: bool = False) -> dict[str, Any]:
+        """Keyword arguments for ``torch.compile`` (``graphs``: for a step captured in CUDA graphs)."""
         kwargs: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph}
         kwargs["dynamic"] = True if self.dynamic else None
         if self.backend == "inductor":
-            kwargs["mode"] = self.mode
+            kwargs["mode"] = "reduce-overhead" if graphs and self.mode == "default" else self.mode
         return kwargs
+
+    def step_graphs(self, device_type: str) -> bool:
+        """Whether the paged decode step on a device of this type pads to buckets (:attr:`cuda_graphs`, resolved)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        return device_type == "cuda" and self.backend == "inductor"
 
 
 @dataclass(frozen=True)

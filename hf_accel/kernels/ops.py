@@ -2,15 +2,17 @@
 
 Each :class:`OpSpec` names an op's schema, its pure-torch reference (:mod:`.reference`), a fake (shapes only, for
 tracing), and the function of the CPU extension (:mod:`.build`) that implements it, with the constraints each
-instruction-set build puts on its arguments. :func:`choose` picks, for a device and those arguments, the widest
-native build that takes them, else the reference, and says why each other candidate does not run: features record
-the choice at patch time and ``patch_report`` shows it. Nothing falls back silently.
+instruction-set build puts on its arguments, and its device-generic implementation for accelerators
+(:mod:`.portable`).
+:func:`choose` picks, for a device and those arguments, the widest native build that takes them on the CPU, the
+portable implementation on other devices, else the reference, and says why each other candidate does not run:
+features record the choice at patch time and ``patch_report`` shows it. Nothing falls back silently.
 
 :func:`op` defines ``torch.ops.hf_accel.<name>`` on first use (never at import): its CPU implementation is the
-chosen native function (the reference where none applies), every other device runs the reference (room for CUDA
-implementations: register them under their dispatch key next to the CPU one), and the fake serves ``torch.compile``,
-which keeps the op opaque. Eager hot paths call :attr:`Choice.fn` directly (the same function, without the
-dispatcher's few microseconds per call).
+chosen native function (the reference where none applies), CUDA runs the op's Triton kernel or portable
+implementation where it has one, every other device the reference, and the fake serves ``torch.compile``, which
+keeps the op opaque. Eager hot paths call :attr:`Choice.fn` directly (the same function, without the dispatcher's few
+microseconds per call).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import build, reference
+from . import build, portable, reference, triton_paged
 from .build import ISAS, extension, extension_status
 
 __all__ = ["OPS", "Choice", "OpSpec", "choose", "define_composite", "native_builds", "op", "reset_choices"]
@@ -100,6 +102,10 @@ class OpSpec:
         builds: the instruction-set builds that have it, widest first.
         fits: ``fits(isa, needs)``: why that build cannot take arguments with these properties (``None``: it can).
         needs: ``needs(*args)``: the properties of a call's arguments :attr:`fits` looks at (for the op's dispatch).
+        portable: the device-generic implementation (:mod:`.portable`: whole-batch, no host sync) that devices
+            without a native build run (CUDA, XPU, MPS); ``None``: they run the reference.
+        triton: ``triton()`` -> the op's Triton kernel for CUDA, or ``None`` and why not (preferred over
+            :attr:`portable` on CUDA where it loads).
     """
 
     name: str
@@ -110,6 +116,8 @@ class OpSpec:
     builds: tuple[str, ...] = _ALL
     fits: Callable[[str, dict[str, Any]], str | None] = _no_fit
     needs: Callable[..., dict[str, Any]] = field(default=lambda *args: {})
+    portable: Callable[..., Any] | None = None
+    triton: Callable[[], tuple[Callable[..., Any] | None, str | None]] | None = None
 
 
 def _rows_by_out(x: torch.Tensor, weight: torch.Tensor, *rest: Any) -> torch.Tensor:
@@ -145,7 +153,7 @@ OPS: dict[str, OpSpec] = {
     for spec in (
         OpSpec(
             "int8_linear", _LINEAR, reference.int8_linear, _rows_by_out, "int8_linear", _ALL, _int8_fit,
-            lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]},
+            lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]}, portable.int8_linear,
         ),
         OpSpec(
             "w8a8_linear", _LINEAR, reference.w8a8_linear, _rows_by_out, "w8a8_linear", _VNNI, _vnni_fit,
@@ -165,6 +173,7 @@ OPS: dict[str, OpSpec] = {
             "float softcap) -> Tensor",
             reference.paged_attention, _attention_fake, "paged_attention", _ALL, _paged_fit,
             lambda q, k, *rest: {"dtype": q.dtype, "block_size": k.shape[1], "head_dim": q.shape[-1]},
+            portable.paged_attention, triton_paged.load,
         ),
         OpSpec("panel_pack", "(Tensor weight) -> Tensor", reference.panel_pack, _pack_fake, "panel_pack", _AVX512),
         OpSpec(
@@ -202,7 +211,8 @@ class Choice:
 
     Args:
         op: the op's name.
-        impl: ``"cpu/<isa>"`` (a native build) or ``"reference"``.
+        impl: ``"cpu/<isa>"`` (a native build), ``"<device>/portable"`` (:mod:`.portable` on an accelerator) or
+            ``"reference"``.
         fn: the implementation itself (the native function, or the reference).
         why: why this one.
         rejected: each other candidate -> why it does not run.
@@ -216,8 +226,9 @@ class Choice:
 
     @property
     def native(self) -> bool:
-        """Whether a native build runs (``"cpu/<isa>"``; later ``"cuda/..."``), not a reference or a fallback path."""
-        return self.impl.startswith(("cpu/", "cuda/"))
+        """Whether an implementation made for speed runs (a native build, or the portable one on an accelerator), not
+        the reference or a fallback path."""
+        return self.impl != "reference" and "/" in self.impl
 
     def describe(self) -> dict[str, Any]:
         """``{"uses": impl, "why": ..., "not": {other: why not}}`` (what ``patch_report`` lists)."""
@@ -245,6 +256,22 @@ def _build_reason(isa: str, spec: OpSpec, needs: dict[str, Any]) -> str | None:
     return None if hasattr(module, spec.native) else f"the {isa} build has no {spec.native}"
 
 
+def _triton_choice(spec: OpSpec, device: torch.device, rejected: dict[str, str]) -> Choice | None:
+    """The op's Triton kernel on CUDA (recording why not in ``rejected`` where it cannot run)."""
+    if spec.triton is None:
+        return None
+    if device.type != "cuda":
+        rejected["cuda/triton"] = f"a CUDA kernel; this call is on {device.type}"
+        return None
+    fn, why = spec.triton()
+    if fn is None:
+        rejected["cuda/triton"] = str(why)
+        return None
+    return Choice(spec.name, "cuda/triton", fn, "one Triton launch for the whole batch, reading the pool in place",
+                  {**rejected, "cuda/portable": "gathers each row's context into a copy first",
+                   "reference": "written to be plainly right, not fast"})  # fmt: skip
+
+
 def choose(name: str, device: torch.device | str = "cpu", **needs: Any) -> Choice:
     """The implementation of op ``name`` for ``device`` and arguments with properties ``needs`` (the keys its
     :attr:`OpSpec.fits` reads: ``group_size``, ``dtype``, ``block_size``...). Cached per process.
@@ -262,7 +289,11 @@ def choose(name: str, device: torch.device | str = "cpu", **needs: Any) -> Choic
     rejected: dict[str, str] = {}
     choice = None
     if device.type != "cpu":
-        rejected["cpu/*"] = f"no {device.type} implementation yet: the pure-torch reference runs on {device.type}"
+        rejected["cpu/*"] = f"native builds are CPU code; this call is on {device.type}"
+        choice = _triton_choice(spec, device, rejected)
+        if choice is None and spec.portable is not None:
+            choice = Choice(name, f"{device.type}/portable", spec.portable, portable.WHY[name],
+                            {**rejected, "reference": "written to be plainly right, not fast"})  # fmt: skip
     elif spec.native is not None:
         for isa in spec.builds:
             why = _build_reason(isa, spec, needs)
@@ -303,6 +334,13 @@ def _cpu_impl(spec: OpSpec) -> Callable[..., Any]:
     return cpu
 
 
+def _cuda_impl(spec: OpSpec) -> Callable[..., Any]:
+    def cuda(*args: Any) -> Any:
+        return choose(spec.name, args[0].device, **spec.needs(*args)).fn(*args)
+
+    return cuda
+
+
 def op(name: str) -> Any:
     """``torch.ops.hf_accel.<name>``, defined once per process on first use (thread-safe; never at import)."""
     defined = _defined.get(name)
@@ -316,6 +354,8 @@ def op(name: str) -> Any:
             lib.impl(name, spec.reference, "CompositeExplicitAutograd")
             if spec.native is not None:
                 lib.impl(name, _cpu_impl(spec), "CPU")
+            if spec.portable is not None or spec.triton is not None:
+                lib.impl(name, _cuda_impl(spec), "CUDA")
             if spec.fake is not None:
                 torch.library.register_fake(f"hf_accel::{name}", spec.fake, lib=lib)
             _libraries.append(lib)

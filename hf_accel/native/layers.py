@@ -66,12 +66,12 @@ def is_rms_norm(module: Any) -> bool:
 
 def weight_only_native(module: Any) -> bool:
     """Whether ``module`` is a weight-only ``Int8Linear`` with a native CPU kernel."""
-    return isinstance(module, Int8Linear) and module.activations == "float" and module.choice.native
+    return isinstance(module, Int8Linear) and module.activations == "float" and module.cpu_native
 
 
 def _int8_native(module: Any) -> bool:
     """Whether ``module`` is an ``Int8Linear`` (weight-only or W8A8) whose own maths is a native CPU kernel."""
-    return isinstance(module, Int8Linear) and module.choice.native
+    return isinstance(module, Int8Linear) and module.cpu_native
 
 
 def _absent() -> torch.Tensor:

@@ -11,7 +11,9 @@ With a ``PagedCache``, the mask function returns a :class:`PagedMask` (the 2D pa
 is built); the attention function writes the chunk's real tokens into the pool and then attends:
 
 * decode-sized chunks (``Q <= DECODE_MAX_QUERY``) on CPU: the native kernel reads K/V straight from the
-  pool through the block tables (no contiguous copy of the context);
+  pool through the block tables (no contiguous copy of the context); on accelerators (or with
+  ``attention="batched"``) the portable implementation attends for the whole batch at once with every index on
+  the device (:func:`hf_accel.kernels.portable.paged_attention`: no host sync, capturable in a CUDA graph);
 * ``gather`` path (prefill, other devices, or on request): per row, SDPA over the new tokens when the row
   had no context (nothing is gathered), else over the row's context gathered from the pool. This is also the
   reference the kernel is tested against.
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
+from ..kernels import portable
 from ..kernels.ops import Choice, choose
 from ..kernels.reference import dense_attention
 from ..kernels.tuning import CPU
@@ -46,6 +49,7 @@ __all__ = [
     "kernel_usable",
     "paged_name",
     "register",
+    "step_attention",
     "unpaged_call",
     "unpaged_name",
     "unregister",
@@ -188,7 +192,7 @@ def _planned_attention(
     window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
     return torch.ops.hf_accel.paged_decode(
         query, key, value, plan.keys[i], plan.values[i], plan.slots, plan.block_tables, plan.q_pos,
-        scale, window, softcap, plan.kernel,
+        scale, window, softcap, plan.attention,
     )  # fmt: skip
 
 
@@ -223,13 +227,17 @@ def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_
     ``paged_attention`` build (:func:`hf_accel.kernels.ops.choose`) where it takes the pool, else the gather path.
 
     Args:
-        mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"`` or ``"gather"``.
+        mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"``, ``"batched"`` or ``"gather"``.
         device / dtype / block_size / head_dim: the pool's.
 
     Raises:
         IncompatibleOptionsError: ``mode="kernel"`` where no native build takes the pool.
     """
     choice = choose("paged_attention", device, dtype=dtype, block_size=block_size, head_dim=head_dim)
+    if mode == "batched":
+        return Choice(choice.op, f"{device.type}/portable", portable.paged_attention,
+                      "PagedCache(attention='batched') asked for it (the implementation accelerators run)",
+                      {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
     if mode == "gather":
         return Choice(choice.op, "gather", gather_attention, "PagedCache(attention='gather') asked for it",
                       {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
@@ -243,6 +251,17 @@ def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_
     if not choice.native:
         return Choice(choice.op, "gather", gather_attention, "no native build takes this pool", choice.rejected)
     return choice
+
+
+def step_attention(choice: Choice) -> str:
+    """What a compiled step's ``hf_accel::paged_decode`` runs for the cache's :func:`attention_choice`:
+    ``"native"`` (a CPU build), ``"triton"``, ``"portable"`` or ``"reference"`` (the gather path's maths, for the
+    whole batch)."""
+    if choice.impl.endswith("/portable"):
+        return "portable"
+    if choice.impl == "cuda/triton":
+        return "triton"
+    return "native" if choice.impl.startswith("cpu/") else "reference"
 
 
 def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
@@ -331,13 +350,12 @@ def attend_packed(
     out = torch.empty_like(q_all)
     rest = range(len(packed.lengths))
     if packed.short:
-        index = packed.short_index.to(query.device)  # [Rs, Qs]
-        q = q_all[index].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
+        t = packed.tensors(query.device)  # integer indices only: nothing here waits for the device
+        q = q_all[t["index"]].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
         if _use_kernel(layer, q):
-            tables, q_pos = packed.short_tables.to(query.device), packed.short_q_pos.to(query.device)
-            o = _kernel_attention(layer, q, tables, q_pos, scale, window, softcap)  # [Rs, Qs, H_q, D]
-            real = packed.short_real.to(query.device)
-            out[index[real]] = o[real].to(out.dtype)
+            o = _kernel_attention(layer, q, t["tables"], t["q_pos"], scale, window, softcap)  # [Rs, Qs, H_q, D]
+            o = o.reshape(-1, *o.shape[2:]).index_select(0, t["real_flat"])  # [T, H_q, D]: the real tokens
+            out.index_copy_(0, t["real_at"], o.to(out.dtype))
             done = set(packed.short)
             rest = [r for r in rest if r not in done]
     for row in rest:

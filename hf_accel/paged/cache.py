@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ..core.config import parse_bytes
+from ..core.config import PagedConfig, parse_bytes
 from ..core.errors import CacheFullError, IncompatibleOptionsError, UnsupportedModelError
 from ..core.fingerprint import weights_fingerprint
 from ..core.lease import exclusive
@@ -52,8 +52,9 @@ class PagedCache(Cache, RowRollback):
             ``stats()["sizing"]`` and the repr say what is reserved and why.
         prefix_cache: publish full blocks of finished prompts/sequences and reuse them for later prompts that
             start with the same tokens (across ``generate`` calls that pass this cache).
-        attention: ``"auto"`` (native kernel on CPU when available, else gather), ``"kernel"`` or ``"gather"``
-            for the decode path (the prefill path always attends densely per row).
+        attention: ``"auto"`` (native kernel on CPU when available, the batched portable implementation on
+            accelerators, else gather), ``"kernel"``, ``"batched"`` or ``"gather"`` for the decode path (the
+            prefill path always attends densely per row).
 
     Raises:
         IncompatibleOptionsError: a bad size, or a pool too small for a single block.
@@ -62,7 +63,7 @@ class PagedCache(Cache, RowRollback):
     ``model.generate(input_ids, attention_mask=mask, cache=cache)`` and ``cache.stats()["utilisation"]``.
     """
 
-    ATTENTION_MODES = ("auto", "kernel", "gather")
+    ATTENTION_MODES = PagedConfig.ATTENTION_MODES
 
     def __init__(
         self,

@@ -126,11 +126,10 @@ class PagedLayer(CacheLayerMixin):
         self.copy_blocks(step.copies)
         if t["slots"].numel() == 0:
             return
-        k, v = key.transpose(1, 2), value.transpose(1, 2)  # [B, Q, H_kv, D]
-        if step.all_valid:
-            k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        else:
-            k, v = k[t["valid"]], v[t["valid"]]  # [N, H_kv, D]
+        k = key.transpose(1, 2).reshape(-1, *key.shape[1:2], key.shape[3])  # [B*Q, H_kv, D]
+        v = value.transpose(1, 2).reshape(-1, *value.shape[1:2], value.shape[3])
+        if not step.all_valid:
+            k, v = k.index_select(0, t["valid_index"]), v.index_select(0, t["valid_index"])  # [N, H_kv, D]
         flat = (-1, *self.keys.shape[2:])
         self.keys.view(flat).index_copy_(0, t["slots"], k.to(self.dtype))
         self.values.view(flat).index_copy_(0, t["slots"], v.to(self.dtype))

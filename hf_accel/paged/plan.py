@@ -53,6 +53,22 @@ class PackedRows:
     short_real: torch.Tensor
     short_q_pos: torch.Tensor
     short_tables: torch.Tensor
+    on_device: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict, compare=False)
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The short rows' tensors on ``device``, moved once per device: ``index``, ``tables``, ``q_pos``, and
+        ``real_flat`` (``[T]`` flat positions of ``[Rs, Qs]`` that are tokens) with ``real_at`` (``[T]`` their
+        positions in the chunk), so results are scattered back without a boolean index on the device."""
+        if device not in self.on_device:
+            real_flat = self.short_real.flatten().nonzero().flatten()  # host tensors: no device sync
+            self.on_device[device] = {
+                "index": self.short_index.to(device),
+                "tables": self.short_tables.to(device),
+                "q_pos": self.short_q_pos.to(device),
+                "real_flat": real_flat.to(device),
+                "real_at": self.short_index.flatten()[real_flat].to(device),
+            }
+        return self.on_device[device]
 
 
 def _packed_rows(lengths: list[int], q_pos: torch.Tensor, tables: torch.Tensor, short_max: int) -> PackedRows:
@@ -114,10 +130,14 @@ class StepPlan:
         return slots
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """``valid`` / ``slots`` / ``block_tables`` / ``q_pos`` on ``device`` (moved once per device)."""
+        """``valid`` / ``slots`` / ``block_tables`` / ``q_pos`` on ``device`` (moved once per device), and
+        ``valid_index`` (``[N]`` int64 row-major positions of the stored tokens: writes select them without a
+        boolean index, which would wait for the device)."""
         if device not in self.on_device:
             names = ("valid", "slots", "block_tables", "q_pos")
-            self.on_device[device] = {n: getattr(self, n).to(device) for n in names}
+            moved = {n: getattr(self, n).to(device) for n in names}
+            moved["valid_index"] = self.valid.flatten().nonzero().flatten().to(device)  # from the host copy
+            self.on_device[device] = moved
         return self.on_device[device]
 
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import reference
+from ..kernels import portable, reference, triton_paged
 from ..kernels.ops import choose, define_composite
 
 __all__ = ["DecodePlan", "define_paged_op"]
@@ -28,8 +28,10 @@ class DecodePlan(NamedTuple):
         block_tables: ``[B, MB]`` int32.
         q_pos: ``[B, Q]`` int32 index of each new token in its sequence; -1 for a token not stored.
         keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
-        kernel: attend with the native kernel the cache chose (:func:`~.attention.attention_choice`), else the
-            reference (:func:`hf_accel.kernels.reference.paged_attention`).
+        attention: how to attend, as the cache chose (:func:`~.attention.attention_choice`): ``"native"`` (the
+            CPU kernel), ``"triton"`` (:mod:`hf_accel.kernels.triton_paged`), ``"portable"``
+            (:func:`hf_accel.kernels.portable.paged_attention`) or ``"reference"``
+            (:func:`hf_accel.kernels.reference.paged_attention`).
     """
 
     slots: torch.Tensor
@@ -37,11 +39,17 @@ class DecodePlan(NamedTuple):
     q_pos: torch.Tensor
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
-    kernel: bool
+    attention: str
 
 
 def _write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store ``new`` ([B, H_kv, Q, D]) at ``slots`` ([B*Q], -1 = skip) of ``pool`` ([NB, BS, H_kv, D])."""
+    """Store ``new`` ([B, H_kv, Q, D]) at ``slots`` ([B*Q], -1 = skip) of ``pool`` ([NB, BS, H_kv, D]).
+
+    On the CPU the skipped tokens are dropped first (reading ``slots`` costs nothing there); on accelerators the
+    portable write never reads them on the host (:func:`hf_accel.kernels.portable.pool_write`)."""
+    if not pool.is_cpu:
+        portable.pool_write(pool, new, slots)
+        return
     rows = new.transpose(1, 2).reshape(-1, *pool.shape[2:])  # [B*Q, H_kv, D]
     keep = slots >= 0
     if not bool(keep.all()):
@@ -61,16 +69,23 @@ def _paged_decode(
     scale: float,
     window: int,
     softcap: float,
-    kernel: bool,
+    attention: str,
 ) -> torch.Tensor:
     # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] -> [B, Q, H_q, D]
     _write(k_pool, key, slots)
     _write(v_pool, value, slots)
-    attend = choose("paged_attention", "cpu", dtype=query.dtype).fn if kernel else reference.paged_attention
+    if attention == "native":
+        attend = choose("paged_attention", "cpu", dtype=query.dtype).fn
+    elif attention == "triton":
+        attend = triton_paged.paged_attention
+    else:
+        attend = portable.paged_attention if attention == "portable" else reference.paged_attention
     return attend(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
 
 
-def _paged_decode_fake(query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, kernel):
+def _paged_decode_fake(
+    query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, attention
+):
     b, h, q, d = query.shape  # shapes only, for tracing
     return query.new_empty((b, q, h, d))
 
@@ -79,6 +94,6 @@ def define_paged_op() -> Callable[..., torch.Tensor]:
     """Define ``torch.ops.hf_accel.paged_decode`` once per process (called at patch time, never at import)."""
     schema = (
         "(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
-        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, bool kernel) -> Tensor"
+        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, str attention) -> Tensor"
     )
     return define_composite("paged_decode", schema, _paged_decode, _paged_decode_fake)

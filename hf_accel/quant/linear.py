@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import Int8Config
+from ..kernels import portable
 from ..kernels.ops import Choice, choose, op
 from ..kernels.tuning import CPU
 from .core import (
@@ -96,13 +97,26 @@ class Int8Linear(nn.Module):
         self._bind_kernel()
 
     def _bind_kernel(self) -> None:
-        #: the CPU implementation this layer runs (chosen once per process by the kernel layer)
-        self.choice = kernel_choice(self.activations, self.group_size, self.in_features)
+        #: the implementation this layer runs on its weights' device (chosen once per process by the kernel layer;
+        #: chosen again when the module moves: ``_apply``)
+        device = self.qweight.device if self.qweight.device.type != "meta" else torch.device("cpu")
+        self.choice = kernel_choice(self.activations, self.group_size, self.in_features, device)
+        cpu = self.choice.impl.startswith("cpu/")
         # the native function (None: the float maths below); the op's name, a string torch.compile guards on
-        self._fn = self.choice.fn if self.choice.native else None
-        self._cpu_kernel = self.choice.op if self.choice.native else ""
+        self._fn = self.choice.fn if cpu else None
+        self._cpu_kernel = self.choice.op if cpu else ""
         if self._cpu_kernel:
             op(self._cpu_kernel)  # torch.ops.hf_accel.<op>: what a compiled step runs (kept opaque)
+
+    @property
+    def cpu_native(self) -> bool:
+        """Whether this layer's own maths is a native CPU kernel (its weights are on the CPU and a build takes them)."""
+        return bool(self._cpu_kernel)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Int8Linear:
+        super()._apply(fn, recurse)  # .to() / .cuda() / .half(): the buffers move, then the choice follows
+        self._bind_kernel()
+        return self
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -135,8 +149,12 @@ class Int8Linear(nn.Module):
 
         Returns:
             ``"w8a8"`` (VNNI kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
-            ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows) or ``"dequantize"``.
+            ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows), ``"portable"`` (on an
+            accelerator: :func:`hf_accel.kernels.portable.int8_linear`, or its fusable form when compiling) or
+            ``"dequantize"``.
         """
+        if x.device.type not in ("cpu", "meta") and self.activations == "float":
+            return "portable"
         takes = x.device.type == "cpu" and x.dtype in KERNEL_DTYPES  # bf16 / fp16 rows go in as fp32 copies
         if self.activations == "int8":
             return "w8a8" if takes and self._cpu_kernel else "w8a8-emulated"
@@ -151,6 +169,12 @@ class Int8Linear(nn.Module):
                 return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
             return self.kernel(x.float()).to(x.dtype)  # [.., K] bf16/fp16: a few fp32 rows in, fp32 sums, cast out
         path = self.kernel_path(x)
+        if path == "portable":  # [.., K] on an accelerator: the int8 weight is read as int8
+            linear = portable.int8_linear_compiled if torch.compiler.is_compiling() else portable.int8_linear
+            y = linear(x.reshape(-1, self.in_features), self.qweight, self.scale)  # [M, N]
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if path == "dequantize":
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, dequantize(self.quantized, x.dtype), bias)

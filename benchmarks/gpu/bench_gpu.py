@@ -1,0 +1,272 @@
+"""hf_accel against Transformers on one accelerator: random-weight Llama-shaped models, every baseline in the same run.
+
+Writes ``results.md`` (one Markdown table) and ``results.json`` to ``--out``. Paths, batch 1 (a 128-token prompt):
+plain ``generate`` (DynamicCache, sdpa), Transformers static cache + compile, hf_accel paged (eager), paged +
+compiled step (CUDA graphs on CUDA), the same with the portable attention instead of the Triton kernel, int8
+weights + compiled step, and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token
+step). The 8B shape runs batch 1 without the portable variant. Batch 32 of mixed prompt lengths: plain ``generate``,
+Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled and ``Engine`` (with its KV
+utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
+throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
+the same batch (decode tok/s where a path has it, else throughput), and whether greedy tokens equal plain's.
+
+    python benchmarks/gpu/bench_gpu.py --device cuda --shapes 1b,8b --out OUT   # what check.sh runs
+    python benchmarks/gpu/bench_gpu.py --device cpu --shapes tiny --new-tokens 8 --backend eager  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_accel
+from hf_accel import CompileConfig, Engine, Int8Config, PagedCache, PagedConfig, SpeculativeConfig
+
+SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B geometry; "tiny" for CPU smoke runs
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+}  # fmt: skip
+PROMPT = 128
+PLAIN = dict(compile=False, native=False, speculative=SpeculativeConfig(auto=None))
+
+
+def build(shape: str, device: str, dtype: torch.dtype) -> Any:
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def peak_reset(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def generate_row(name: str, call: Callable[[int], Any], rows: int, new: int, device: str) -> dict[str, Any]:
+    """Warm up (compiles, graph captures), then time 1 and ``new`` tokens: TTFT and decode tok/s."""
+    call(new)
+    peak_reset(device)
+    ttft, _ = timed(lambda: call(1), device)
+    total, out = timed(lambda: call(new), device)
+    decode = rows * (new - 1) / max(total - ttft, 1e-9)
+    return {"path": name, "batch": rows, "decode_tok_s": decode, "throughput_tok_s": rows * new / total,
+            "ttft_s": ttft, "peak_gib": peak_gib(device), "tokens": out}  # fmt: skip
+
+
+def batch1(model: Any, device: str, new: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT), device=device)
+    mask = torch.ones_like(ids)
+    greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=None)
+
+    def gen(**kw: Any) -> Callable[[int], Any]:
+        return lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, **greedy, **kw)
+
+    rows = [generate_row("plain generate", gen(), 1, new, device)]
+    from transformers import CompileConfig as HFCompile
+
+    hf_compile = HFCompile(backend=args.backend, mode=None if args.backend != "inductor" else "reduce-overhead")
+    hf_compile._compile_all_devices = True
+    rows.append(generate_row("Transformers static + compile", gen(cache_implementation="static",
+                             compile_config=hf_compile), 1, new, device))  # fmt: skip
+    compiled = CompileConfig(backend=args.backend, prepack=False)
+    int8 = Int8Config(backend="native", keep_original=True)  # restored bitwise: later paths see the same weights
+    variants = [("hf_accel paged", dict(PLAIN)), ("hf_accel paged + compiled step", dict(PLAIN, compile=compiled)),
+                ("hf_accel int8 + compiled step", dict(PLAIN, compile=compiled, int8=int8))]  # fmt: skip
+    if not args.big:  # the other attention candidate (docs/cuda.md: chosen by measurement)
+        batched = PagedConfig(attention="batched")
+        variants.append(("hf_accel paged + compiled step, portable attention",
+                         dict(PLAIN, compile=compiled, paged=batched)))  # fmt: skip
+    for name, patch in variants:
+        if args.deadline and time.monotonic() > args.deadline:
+            rows.append({"path": name, "batch": 1, "skipped": "time budget"})
+            continue
+        hf_accel.patch_model(model, **patch)
+        try:
+            rows.append(generate_row(name, gen(paged=True), 1, new, device))
+            rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]
+            if name.endswith("compiled step"):
+                rows.append(verification_costs(model, ids, device, name))
+        finally:
+            hf_accel.unpatch_model(model)
+    return rows
+
+
+def verification_costs(model: Any, ids: torch.Tensor, device: str, name: str, k: int = 4) -> dict[str, Any]:
+    """Prompt lookup's per-step costs: one k-token verification chunk against one 1-token step (compiled)."""
+    cache = PagedCache(model, num_blocks=64, block_size=16)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=cache, logits_to_keep=1)
+        times = {}
+        for width in (1, k, 1, k):  # the second round is timed (the first compiles / captures)
+            chunk = ids[:, :width]
+            mask = torch.cat([mask, torch.ones_like(chunk)], 1)
+            times[width], _ = timed(lambda c=chunk, m=mask: model(input_ids=c, attention_mask=m, cache=cache), device)
+    step, verify = times[1] * 1e3, times[k] * 1e3
+    return {"path": f"{name}: verify {k} tokens / 1-token step", "batch": 1, "step_ms": step, "verify_ms": verify,
+            "verify_over_step": verify / step}  # fmt: skip
+
+
+def mixed_prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 2 * PROMPT))] for _ in range(count)]
+
+
+def batch32(model: Any, device: str, new: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    prompts = mixed_prompts(model.config.vocab_size, args.batch)
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
+    greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    rows = [generate_row("plain generate", lambda n: model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=n, **greedy), len(prompts), new, device)]  # fmt: skip
+    rows.append(transformers_batch(model, prompts, new, device))
+    hf_accel.patch_model(model, **dict(PLAIN, compile=CompileConfig(backend=args.backend, prepack=False)))
+    try:
+        rows.append(
+            generate_row(
+                "hf_accel paged + compiled step",
+                lambda n: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, paged=True, **greedy),
+                len(prompts),
+                new,
+                device,
+            )
+        )
+        rows.append(engine_row(model, prompts, new, device))
+    finally:
+        hf_accel.unpatch_model(model)
+    return rows
+
+
+def transformers_batch(model: Any, prompts: list[list[int]], new: int, device: str) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up
+        peak_reset(device)
+        seconds, _ = timed(lambda: model.generate_batch(inputs=prompts, generation_config=config), device)
+    except Exception as err:  # an older Transformers, or a device it does not serve: said in the table
+        return {"path": "Transformers generate_batch", "batch": len(prompts), "skipped": f"{type(err).__name__}: {err}"}
+    return {"path": "Transformers generate_batch", "batch": len(prompts), "throughput_tok_s":
+            len(prompts) * new / seconds, "peak_gib": peak_gib(device)}  # fmt: skip
+
+
+def engine_row(model: Any, prompts: list[list[int]], new: int, device: str) -> dict[str, Any]:
+    def run(batch: list[list[int]]) -> list[float]:
+        engine = Engine(model, max_batch_tokens=2048, max_running=len(batch), paged=PagedConfig(block_size=16))
+        for p in batch:
+            engine.add_request(p, max_new_tokens=new, eos_token_id=None)
+        seen, manager, block = [], engine.cache.manager, engine.cache.block_size
+        while engine.step():  # held tokens over the slots of the blocks the running sequences hold
+            seqs = manager.sequences()
+            slots = sum(len(manager.block_table(q)) for q in seqs) * block
+            if slots:
+                seen.append(sum(manager.num_tokens(q) for q in seqs) / slots)
+        return seen
+
+    run(prompts[:2])  # warm-up
+    peak_reset(device)
+    seconds, seen = timed(lambda: run(prompts), device)
+    return {"path": "hf_accel Engine", "batch": len(prompts), "throughput_tok_s": len(prompts) * new / seconds,
+            "peak_gib": peak_gib(device), "kv_utilisation_mean": sum(seen) / max(1, len(seen)),
+            "kv_utilisation_min": min(seen, default=0.0)}  # fmt: skip
+
+
+def ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's speed over plain ``generate`` at the same batch, and whether its tokens equal plain's."""
+    for row in rows:
+        base = next((r for r in rows if r["path"] == "plain generate" and r["batch"] == row["batch"]), None)
+        if base is None or row is base:
+            continue
+        key = "decode_tok_s" if "decode_tok_s" in row else "throughput_tok_s"
+        if row.get(key):
+            row["vs_plain"] = row[key] / base[key]
+        if row.get("tokens") is not None:
+            row["same_tokens"] = bool(torch.equal(row["tokens"], base["tokens"]))
+    for row in rows:
+        row.pop("tokens", None)
+
+
+def table(results: dict[str, list[dict[str, Any]]], header: str) -> str:
+    cols = ["path", "batch", "decode_tok_s", "throughput_tok_s", "vs_plain", "ttft_s", "peak_gib", "same_tokens",
+            "step_ms", "verify_ms", "kv_utilisation_mean", "kv_utilisation_min", "skipped"]  # fmt: skip
+    lines = [header, ""]
+    for shape, rows in results.items():
+        lines += [f"### {shape}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for row in rows:
+            cells = [f"{row[c]:.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    parser.add_argument("--budget-s", type=float, default=0, help="skip paths that would start after this (0: none)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/gpu/out"))
+    args = parser.parse_args(argv)
+    args.deadline = time.monotonic() + args.budget_s if args.budget_s else 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.device} ({sys.platform})"
+    header = f"## {name}: torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens, prompt {PROMPT}"
+    results: dict[str, list[dict[str, Any]]] = {}
+    for shape in args.shapes.split(","):
+        model = build(shape, args.device, getattr(torch, args.dtype))
+        args.big = shape == "8b"  # the 8B shape: batch 1 and the int8 comparison only
+        rows = batch1(model, args.device, args.new_tokens, args)
+        if not args.big and not (args.deadline and time.monotonic() > args.deadline):
+            rows += batch32(model, args.device, args.new_tokens, args)
+        ratios(rows)
+        results[shape] = rows
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        (args.out / "results.json").write_text(json.dumps({"device": name, "results": results}, indent=1, default=str))
+        (args.out / "results.md").write_text(table(results, header))
+    print(table(results, header))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

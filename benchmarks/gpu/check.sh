@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (under 8 minutes on one H100). Results land in $OUT (or the folder given as $1):
+#   tests.log / tests.xml  the cuda-marked tests and the greedy-equality tests on device=cuda (float32)
+#   results.md / .json     benchmarks/gpu/bench_gpu.py: 1B- and 8B-shaped random Llamas in bfloat16
+# On the GPU machine (no package registry) it first installs the wheels benchmarks/gpu/fetch_wheels.sh put in .whl/
+# (carry .whl). DEVICE=cpu runs the CPU-side parts (the same scripts on a tiny model, no CUDA tests), as CI's
+# test_gpu_check does.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-${1:-benchmarks/gpu/out}}
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if [ "$DEVICE" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" - <<'PY' | tee "$OUT/env.txt"
+import torch, transformers
+print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+PY
+status=0
+if [ "$DEVICE" = cuda ]; then
+  # (a) about 2 minutes: every cuda-marked test (greedy equality on cuda included); only the files that hold them,
+  # since others import packages the GPU image lacks (fastapi, openai, gguf)
+  timeout 180 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_registry_patch.py tests/test_scaling.py \
+    -p no:cacheprovider --junitxml "$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" || status=1
+  SHAPES=${SHAPES:-1b,8b} BUDGET=${BUDGET:-270} NEW=${NEW:-64} BACKEND=inductor BATCH=32
+else
+  SHAPES=tiny BUDGET=0 NEW=8 BACKEND=eager BATCH=4
+fi
+# (b) the benchmark; paths that would start after the budget are listed as skipped
+timeout 330 "$PY" benchmarks/gpu/bench_gpu.py --device "$DEVICE" --shapes "$SHAPES" --new-tokens "$NEW" \
+  --batch "$BATCH" --backend "$BACKEND" --budget-s "$BUDGET" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+exit $status

@@ -1,0 +1,127 @@
+"""Device-generic implementations of the native entry points, for devices without a native build (CUDA, XPU, MPS).
+
+Where :mod:`.reference` is written to be obviously right (per-row loops, host-side position lists), these are
+written for accelerators: whole-batch tensor operations with every index on the device, so a call issues a fixed
+sequence of kernels, never waits for the device (no ``.item()``, ``.tolist()``, ``nonzero`` or boolean indexing),
+and can be captured in a CUDA graph or traced by ``torch.compile`` without a graph break. Results equal the
+reference's up to float rounding order; tests hold them to it on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["INT8PACK_MAX_ROWS", "WHY", "int8_linear", "int8_linear_compiled", "paged_attention", "pool_write"]
+
+#: up to this many rows :func:`int8_linear` runs the fused W8A16 matmul (decode, verification chunks)
+INT8PACK_MAX_ROWS = 16
+
+#: what :func:`hf_accel.kernels.ops.choose` says of each portable implementation when it picks it
+WHY = {
+    "paged_attention": "whole-batch attention over the pool with device-side block tables (no host sync, CUDA-graph "
+    "safe)",
+    "int8_linear": "PyTorch's fused int8-weight matmul for row scales (torch._weight_int8pack_mm), int8 weights "
+    "de-quantized in the input dtype for grouped scales; a compiled step fuses the de-quantization into the matmul",
+}
+
+
+def _gather_context(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Every row's blocks, in order: pool ``[NB, BS, H_kv, D]``, tables ``[B, MB]`` -> ``[B, H_kv, MB*BS, D]``.
+
+    Table entries past a row's last block may hold anything (``-1``, stale ids): they are clamped into the pool
+    and masked by the caller."""
+    batch, width = block_tables.shape
+    index = block_tables.long().clamp(0, pool.shape[0] - 1).flatten()  # [B*MB]
+    blocks = pool.index_select(0, index)  # [B*MB, BS, H_kv, D]
+    return blocks.view(batch, width * pool.shape[1], *pool.shape[2:]).transpose(1, 2)
+
+
+def _visible(q_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """``[B, Q, S]`` bool: query at ``q_pos`` sees key ``t`` when ``t <= q_pos`` (and ``t > q_pos - window``).
+
+    A padding query (``q_pos < 0``) is given key 0 alone, so its softmax stays finite; the caller zeroes it."""
+    t = torch.arange(length, device=q_pos.device)  # [S]
+    pos = q_pos.long()[..., None]  # [B, Q, 1]
+    visible = t <= pos
+    if window > 0:
+        visible &= t > pos - window
+    return visible | ((pos < 0) & (t == 0))
+
+
+def paged_attention(
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
+    scale: float, window: int, softcap: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention over a block pool for the whole batch at once (the arguments and result of
+    :func:`hf_accel.kernels.reference.paged_attention`).
+
+    Shapes: query ``[B, H_q, Q, D]``; pools ``[NB, BS, H_kv, D]``; block_tables ``[B, MB]``; q_pos ``[B, Q]``
+    (-1 = padding, which gets zeros). Returns ``[B, Q, H_q, D]``. Every row reads its ``MB * BS`` table slots (the
+    widest row's context); keys past a query's position are masked.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads = k_pool.shape[2]
+    groups = heads // kv_heads
+    k = _gather_context(k_pool, block_tables).to(query.dtype)  # [B, H_kv, S, D]
+    v = _gather_context(v_pool, block_tables).to(query.dtype)
+    # slots past a row's last query were never written (or hold another sequence's tokens, or a pool's uninitialised
+    # memory): zero them, since a masked score times a NaN value would still be NaN (and so would a multiply by 0)
+    stored = torch.arange(k.shape[2], device=q_pos.device) <= q_pos.amax(dim=1, keepdim=True)  # [B, S]
+    stored = stored[:, None, :, None]  # [B, 1, S, 1]
+    k, v = torch.where(stored, k, 0), torch.where(stored, v, 0)
+    visible = _visible(q_pos, k.shape[2], window)  # [B, Q, S]
+    # grouped heads share their K/V: query head h reads K/V head h // groups
+    q = query.reshape(batch, kv_heads, groups * q_len, dim)  # [B, H_kv, G*Q, D]
+    mask = visible[:, None, None].expand(batch, 1, groups, q_len, k.shape[2]).reshape(batch, 1, groups * q_len, -1)
+    if softcap > 0:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*Q, S]
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G*Q, D]
+    out = out.view(batch, heads, q_len, dim).transpose(1, 2)  # [B, Q, H_q, D]
+    return torch.where((q_pos >= 0)[..., None, None], out, 0)
+
+
+def pool_write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store ``new`` (``[B, H_kv, Q, D]``) at ``slots`` (``[B*Q]`` int64, row-major; ``-1`` = not stored) of
+    ``pool`` (``[NB, BS, H_kv, D]``), without reading ``slots`` on the host.
+
+    A token that is not stored is written where the first stored token goes, with that token's values (an
+    identical duplicate write); when no token is stored, slot 0 is written with its own values."""
+    flat = pool.view(-1, *pool.shape[2:])  # [NB*BS, H_kv, D]
+    rows = new.transpose(1, 2).reshape(-1, *pool.shape[2:]).to(pool.dtype)  # [B*Q, H_kv, D]
+    keep = slots >= 0  # [N]
+    first = torch.argmax(keep.to(torch.int8)).view(1)  # [1]: the first stored token (0 when there is none)
+    anyone = keep.any()
+    anchor_slot = torch.where(anyone, slots.index_select(0, first), 0)  # [1]
+    anchor_row = torch.where(anyone, rows.index_select(0, first), flat[:1])  # [1, H_kv, D]
+    index = torch.where(keep, slots, anchor_slot)
+    source = torch.where(keep[:, None, None], rows, anchor_row)
+    flat.index_copy_(0, index, source)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 on an accelerator, eagerly: ``x [M, K]`` @ ``(qweight [N, K] int8 * scale [N, G])^T`` ->
+    ``[M, N]`` in ``x``'s dtype.
+
+    Decode-sized calls (up to :data:`INT8PACK_MAX_ROWS` rows) with one scale per row and bfloat16 / float16
+    activations run PyTorch's fused W8A16 matmul (``torch._weight_int8pack_mm``: the weight is read as int8, never
+    copied); longer calls (prefill: the GEMM's arithmetic outweighs the copy), grouped scales and float32 activations
+    de-quantize the weight in ``x``'s dtype first (a copy per call; the compiled step, :func:`int8_linear_compiled`,
+    fuses it)."""
+    if scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= INT8PACK_MAX_ROWS:
+        return torch._weight_int8pack_mm(x.contiguous(), qweight, scale.view(-1).to(x.dtype))
+    return int8_linear_compiled(x, qweight, scale)
+
+
+def int8_linear_compiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The form of :func:`int8_linear` for a compiled step: plain ops whose de-quantization Inductor fuses into the
+    matmul's loads (the int8 weight is what is read). ``x [M, K]`` -> ``[M, N]`` in ``x``'s dtype."""
+    n, k = qweight.shape
+    if scale.shape[1] == 1:  # int8 values are exact in bfloat16 / float16: scale the sums, not the weights
+        return F.linear(x, qweight.to(x.dtype)) * scale.view(-1).to(x.dtype)
+    groups = scale.shape[1]
+    weight = (qweight.view(n, groups, k // groups).to(x.dtype) * scale.to(x.dtype)[..., None]).view(n, k)
+    return F.linear(x, weight)

@@ -1,0 +1,141 @@
+"""Every feature on a CUDA device, greedy tokens against the unpatched model in float32 (the ``cuda`` parameter is
+marked ``cuda``: skipped without a device; ``benchmarks/gpu/check.sh`` runs it). The ``cpu`` parameter runs the same
+tests through the code paths a CUDA model takes (``attention="batched"``, bucketed compiled steps), so CI checks
+them too."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers import PAD, assert_close, random_batch, run_threads, tiny_model
+
+import hf_accel
+from hf_accel import CompileConfig, Engine, Int8Config, PagedConfig, SpeculativeConfig
+from hf_accel.kernels import portable
+
+NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
+PLAIN_PATH = dict(compile=False, native=False, speculative=SpeculativeConfig(auto=None))
+
+
+def _paged(device: torch.device, **kw) -> PagedConfig:
+    """What ``auto`` picks on CUDA (the portable implementation), asked for explicitly on the CPU."""
+    return PagedConfig(attention="auto" if device.type == "cuda" else "batched", **kw)
+
+
+def _batch(device: torch.device, seed: int = 5):
+    ids, mask = random_batch(3, [4, 17, 9], seed=seed)
+    return ids.to(device), mask.to(device)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_paged_greedy_identical_and_reported(device, arch):
+    plain = tiny_model(arch).to(device)
+    patched = hf_accel.patch_model(tiny_model(arch).to(device), **PLAIN_PATH, paged=_paged(device, block_size=16))
+    uses = hf_accel.patch_report(patched)["implementations"]["paged"]["paged_attention"]["uses"]
+    triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    assert uses == ("cuda/triton" if triton else f"{device.type}/portable")
+    ids, mask = _batch(device)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS)
+    got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, paged=True, **NO_EOS)
+    assert torch.equal(got, expected)
+    lookup = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, paged=True, prompt_lookup=True,
+                              num_speculative_tokens=3, **NO_EOS)  # fmt: skip
+    assert torch.equal(lookup, expected)
+
+
+def test_compiled_step_greedy_identical(device):
+    torch._dynamo.reset()
+    config = CompileConfig(prepack=False) if device.type == "cuda" else CompileConfig(backend="eager", cuda_graphs=True)
+    plain = tiny_model("llama").to(device)
+    patched = hf_accel.patch_model(tiny_model("llama").to(device), **dict(PLAIN_PATH, compile=config),
+                                   paged=_paged(device, block_size=4))  # fmt: skip
+    assert patched.forward.static_shapes and patched.forward.graphs == (device.type == "cuda")
+    for seed in (1, 2):  # a second call replays the captured graphs
+        ids, mask = _batch(device, seed)
+        expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
+        got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, paged=True, **NO_EOS)
+        assert torch.equal(got, expected)
+    assert patched.forward.steps == 18
+
+
+def test_int8_matches_its_dequantized_weights(device):
+    base = tiny_model("llama")
+    dequantized = hf_accel.patch_model(tiny_model("llama"), int8=Int8Config(backend="native"), **PLAIN_PATH)
+    hf_accel.unpatch_model(dequantized)  # the float model holding exactly the int8 weights' values
+    dequantized = dequantized.to(device)
+    patched = hf_accel.patch_model(base, int8=Int8Config(backend="native"), **PLAIN_PATH).to(device)
+    ids, mask = _batch(device)
+    with torch.no_grad():
+        want = dequantized(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask).logits
+    assert_close(got, want, atol=1e-4, rtol=1e-4, name="int8 logits")  # fp32: order of the sums, scale placement
+    expected = dequantized.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
+    assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS), expected)
+
+
+def test_engine_equals_single_requests(device):
+    model = hf_accel.patch_model(tiny_model("llama").to(device), **PLAIN_PATH)
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(5)]
+    refs = [
+        model.generate(torch.tensor([p], device=device), max_new_tokens=8, **NO_EOS)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    engine = Engine(model, max_batch_tokens=32, max_running=3, paged=_paged(device, num_blocks=48, block_size=4))
+    ids = [engine.add_request(p, max_new_tokens=8, eos_token_id=None) for p in prompts]
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == refs
+
+
+def test_threads_on_one_model(device):
+    plain = tiny_model("llama").to(device)
+    patched = hf_accel.patch_model(tiny_model("llama").to(device), **PLAIN_PATH, paged=_paged(device))
+    batches = [_batch(device, seed) for seed in range(3)]
+    expected = [plain.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
+    got: dict[int, torch.Tensor] = {}
+
+    def job(k: int) -> None:
+        ids, mask = batches[k]
+        got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, paged=True, **NO_EOS)
+
+    run_threads([lambda k=k: job(k) for k in range(3)])
+    assert all(torch.equal(got[k], expected[k]) for k in range(3))
+
+
+@pytest.mark.cuda
+def test_portable_kernels_never_wait_for_the_device():
+    """CUDA's sync debug mode raises on any host synchronisation inside these calls."""
+    dev = torch.device("cuda")
+    k_pool, v_pool = torch.randn(2, 9, 16, 2, 64, device=dev).unbind(0)  # [NB, BS, H_kv, D] each
+    tables = torch.tensor([[3, 1, -1], [0, 2, 5]], dtype=torch.int32, device=dev)
+    q_pos = torch.tensor([[20], [-1]], dtype=torch.int32, device=dev)
+    query, new = torch.randn(2, 8, 1, 64, device=dev), torch.randn(2, 2, 1, 64, device=dev)
+    slots = torch.tensor([3 * 16 + 4, -1], device=dev)
+    x, q = torch.randn(2, 128, device=dev, dtype=torch.bfloat16), torch.randint(-127, 128, (64, 128), device=dev)
+    q, s = q.to(torch.int8), torch.rand(64, 1, device=dev) / 50
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        portable.pool_write(k_pool, new, slots)
+        out = portable.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)
+        y = portable.int8_linear(x, q, s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (2, 1, 8, 64) and y.shape == (2, 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_triton_and_portable_attention_on_the_gpu(dtype, atol):
+    from test_portable import _case
+
+    from hf_accel.kernels import reference, triton_paged
+
+    args = [t.cuda() for t in _case(5, 8, 2, 3, 128, 16, dtype)]  # poisoned pools, stale table entries
+    expected = reference.paged_attention(*args, 0.1, 0, 0.0)
+    for name, fn in (("triton", triton_paged.paged_attention), ("portable", portable.paged_attention)):
+        for window, softcap in ((0, 0.0), (7, 0.0), (0, 30.0)):
+            want = expected if (window, softcap) == (0, 0.0) else reference.paged_attention(*args, 0.1, window, softcap)
+            assert_close(fn(*args, 0.1, window, softcap).float(), want.float(), atol=atol, rtol=1e-3,
+                         name=f"{name} {dtype} window={window} softcap={softcap}")  # fmt: skip
