@@ -396,3 +396,41 @@ def test_sampled_speculation_with_top_k_1_is_greedy():
     outputs = engine.run_until_done()
     assert [outputs[i].tokens for i in ids] == refs
     assert sum(outputs[i].accepted for i in ids) > 0  # drafts went through verify_sampling and were kept
+
+
+def test_plain_greedy_requests_pick_and_stop_on_the_host():
+    """Plain greedy requests take the step's argmax and stop where the max-length / EOS criteria would, without
+    running them; any processor, sampling or other criterion keeps the full path. Both give generate's tokens."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from hf_accel.engine.request import build_spec
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    model = hf_accel.patch_model(tiny_model("llama"))
+    spec = build_spec(model, 5, dict(max_new_tokens=7, eos_token_id=[EOS, 9]), None, torch.device("cpu"))
+    assert spec.plain_stop == (12, frozenset({EOS, 9}))
+    assert build_spec(model, 5, dict(max_new_tokens=7, eos_token_id=None), None, torch.device("cpu")).plain_stop == (
+        12, frozenset())  # fmt: skip
+    others = [
+        dict(repetition_penalty=1.2),
+        dict(do_sample=True),
+        dict(stopping_criteria=StoppingCriteriaList([Never()])),
+    ]
+    for extra in others:
+        assert build_spec(model, 5, dict(max_new_tokens=7, **extra), None, torch.device("cpu")).plain_stop is None
+    prompt = prompts_of(1, seed=8)[0]
+    free_run = reference(model, prompt, max_new_tokens=12, eos_token_id=None)
+    engine = Engine(model, max_batch_tokens=64, max_running=4, paged=small_pool())
+    plain = engine.add_request(prompt, max_new_tokens=12, eos_token_id=free_run[6], pad_token_id=0)
+    full = engine.add_request(prompt, max_new_tokens=12, eos_token_id=free_run[6], pad_token_id=0,
+                              stopping_criteria=StoppingCriteriaList([Never()]))  # fmt: skip
+    capped = engine.add_request(prompt, max_length=len(prompt) + 4, eos_token_id=None)  # max_length, not new tokens
+    outputs = engine.run_until_done()
+    for rid in (plain, full):
+        assert outputs[rid].tokens == free_run[: free_run.index(free_run[6]) + 1]
+        assert outputs[rid].finish_reason == "eos"
+    assert outputs[capped].tokens == free_run[:4]
+    assert_pool_free(engine)

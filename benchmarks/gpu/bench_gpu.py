@@ -8,7 +8,8 @@ step). The 8B shape runs batch 1 without the portable variant. Batch 32 of mixed
 Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled and ``Engine`` (with its KV
 utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
 throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
-the same batch (decode tok/s where a path has it, else throughput), and whether greedy tokens equal plain's.
+the same batch (decode tok/s where a path has it, else throughput), whether greedy tokens equal plain's, and on CUDA
+the host synchronisations per new token (CUDA's sync debug mode, one more call).
 
     python benchmarks/gpu/bench_gpu.py --device cuda --shapes 1b,8b --out OUT   # what check.sh runs
     python benchmarks/gpu/bench_gpu.py --device cpu --shapes tiny --new-tokens 8 --backend eager  # CPU smoke
@@ -21,6 +22,7 @@ import json
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, Int8Config, PagedCache, PagedConfig, SpeculativeConfig
+from hf_accel.kernels import portable
 
 SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B geometry; "tiny" for CPU smoke runs
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -73,15 +76,32 @@ def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
+def host_syncs(call: Callable[[], Any], device: str) -> int | None:
+    """How many times ``call`` made the host wait for the device (CUDA's sync debug mode warns at each)."""
+    if not device.startswith("cuda"):
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def generate_row(name: str, call: Callable[[int], Any], rows: int, new: int, device: str) -> dict[str, Any]:
-    """Warm up (compiles, graph captures), then time 1 and ``new`` tokens: TTFT and decode tok/s."""
+    """Warm up (compiles, graph captures), then time 1 and ``new`` tokens: TTFT and decode tok/s; then count the
+    host syncs of one more call, per new token."""
     call(new)
     peak_reset(device)
     ttft, _ = timed(lambda: call(1), device)
     total, out = timed(lambda: call(new), device)
     decode = rows * (new - 1) / max(total - ttft, 1e-9)
+    syncs = host_syncs(lambda: call(new), device)
     return {"path": name, "batch": rows, "decode_tok_s": decode, "throughput_tok_s": rows * new / total,
-            "ttft_s": ttft, "peak_gib": peak_gib(device), "tokens": out}  # fmt: skip
+            "ttft_s": ttft, "peak_gib": peak_gib(device), "syncs_per_token": None if syncs is None else syncs / new,
+            "tokens": out}  # fmt: skip
 
 
 def batch1(model: Any, device: str, new: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -99,25 +119,43 @@ def batch1(model: Any, device: str, new: int, args: argparse.Namespace) -> list[
     hf_compile._compile_all_devices = True
     rows.append(generate_row("Transformers static + compile", gen(cache_implementation="static",
                              compile_config=hf_compile), 1, new, device))  # fmt: skip
+    return rows + patched_rows(model, gen, ids, device, new, args)
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], bool]]:
+    """The hf_accel paths of batch 1: (name, patch_model keywords, int8 linears in the graph as int8pack_mm)."""
     compiled = CompileConfig(backend=args.backend, prepack=False)
     int8 = Int8Config(backend="native", keep_original=True)  # restored bitwise: later paths see the same weights
-    variants = [("hf_accel paged", dict(PLAIN)), ("hf_accel paged + compiled step", dict(PLAIN, compile=compiled)),
-                ("hf_accel int8 + compiled step", dict(PLAIN, compile=compiled, int8=int8))]  # fmt: skip
-    if not args.big:  # the other attention candidate (docs/cuda.md: chosen by measurement)
+    out = [("hf_accel paged", dict(PLAIN), False),
+           ("hf_accel paged + compiled step", dict(PLAIN, compile=compiled), False),
+           ("hf_accel int8 + compiled step", dict(PLAIN, compile=compiled, int8=int8), False)]  # fmt: skip
+    if args.device.startswith("cuda"):  # the other in-graph int8 form (docs/cuda.md: chosen by measurement)
+        out.append(("hf_accel int8 + compiled step, int8pack_mm in the graph", out[-1][1], True))
+    if not args.big:  # the other attention candidate
         batched = PagedConfig(attention="batched")
-        variants.append(("hf_accel paged + compiled step, portable attention",
-                         dict(PLAIN, compile=compiled, paged=batched)))  # fmt: skip
-    for name, patch in variants:
+        out.append(("hf_accel paged + compiled step, portable attention", dict(PLAIN, compile=compiled, paged=batched),
+                    False))  # fmt: skip
+    return out
+
+
+def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device: str, new: int,
+                 args: argparse.Namespace) -> list[dict[str, Any]]:  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for name, patch, int8pack in variants(args):
         if args.deadline and time.monotonic() > args.deadline:
             rows.append({"path": name, "batch": 1, "skipped": "time budget"})
             continue
         hf_accel.patch_model(model, **patch)
+        graph_form = portable.int8_linear_compiled
+        if int8pack:  # measurement only: the eager W8A16 kernel as the compiled step's int8 linear
+            portable.int8_linear_compiled = portable.int8_linear
         try:
             rows.append(generate_row(name, gen(paged=True), 1, new, device))
             rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]
-            if name.endswith("compiled step"):
+            if "compiled step" in name and not int8pack:
                 rows.append(verification_costs(model, ids, device, name))
         finally:
+            portable.int8_linear_compiled = graph_form
             hf_accel.unpatch_model(model)
     return rows
 
@@ -126,14 +164,15 @@ def verification_costs(model: Any, ids: torch.Tensor, device: str, name: str, k:
     """Prompt lookup's per-step costs: one k-token verification chunk against one 1-token step (compiled)."""
     cache = PagedCache(model, num_blocks=64, block_size=16)
     mask = torch.ones_like(ids)
+    times: dict[int, list[float]] = {1: [], k: []}
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, cache=cache, logits_to_keep=1)
-        times = {}
-        for width in (1, k, 1, k):  # the second round is timed (the first compiles / captures)
+        for width in (1, k) * 6:  # the first round compiles / captures; the median of the other five counts
             chunk = ids[:, :width]
             mask = torch.cat([mask, torch.ones_like(chunk)], 1)
-            times[width], _ = timed(lambda c=chunk, m=mask: model(input_ids=c, attention_mask=m, cache=cache), device)
-    step, verify = times[1] * 1e3, times[k] * 1e3
+            seconds, _ = timed(lambda c=chunk, m=mask: model(input_ids=c, attention_mask=m, cache=cache), device)
+            times[width].append(seconds)
+    step, verify = (sorted(times[w][1:])[2] * 1e3 for w in (1, k))
     return {"path": f"{name}: verify {k} tokens / 1-token step", "batch": 1, "step_ms": step, "verify_ms": verify,
             "verify_over_step": verify / step}  # fmt: skip
 
@@ -224,6 +263,7 @@ def ratios(rows: list[dict[str, Any]]) -> None:
 
 def table(results: dict[str, list[dict[str, Any]]], header: str) -> str:
     cols = ["path", "batch", "decode_tok_s", "throughput_tok_s", "vs_plain", "ttft_s", "peak_gib", "same_tokens",
+            "syncs_per_token",
             "step_ms", "verify_ms", "kv_utilisation_mean", "kv_utilisation_min", "skipped"]  # fmt: skip
     lines = [header, ""]
     for shape, rows in results.items():

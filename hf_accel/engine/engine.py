@@ -414,12 +414,13 @@ class Engine:
         (proposal,) = spec.lookup.propose([torch.tensor(state.tokens)], [min(budget, spec.lookup.k.num_tokens)])
         return proposal.tokens.tolist()
 
-    def _advance(self, work: Work, logits: torch.Tensor) -> None:
-        """Pick the request's next token(s) from ``logits`` ([1 + drafts, V]), verify drafts, stream, stop."""
+    def _advance(self, work: Work, logits: tuple[torch.Tensor, list[int]]) -> None:
+        """Pick the request's next token(s) from ``logits`` ([1 + drafts, V], with their argmax), verify drafts,
+        stream, stop."""
         state = work.state
         tracked = self._requests[state.rid]
         self.scheduler.publish_prompt(state)
-        verdict = next_tokens(tracked, work.drafts, logits)
+        verdict = next_tokens(tracked, work.drafts, *logits)
         tracked.output.proposed += len(work.drafts)
         tracked.output.accepted += verdict.accepted
         self.scheduler.accept(work, verdict.accepted)

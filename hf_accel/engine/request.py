@@ -61,6 +61,10 @@ class RequestSpec:
     eos: list[int]
     lookup: PromptLookup | None
     streamer: Any
+    #: plain greedy decoding: no logits processor, and stopping only where Transformers' max-length and EOS criteria
+    #: would, given here as ``(max_length, eos ids)``; the engine then picks the token from the step's argmax and
+    #: stops on the host (no per-request device round trip). ``None`` for every other request
+    plain_stop: tuple[int, frozenset[int]] | None = None
 
 
 @dataclass
@@ -183,16 +187,34 @@ def build_spec(
         raise
     except ValueError as exc:
         raise IncompatibleOptionsError(f"invalid generation options: {exc}") from None
+    sample = bool(cfg.do_sample)
     return RequestSpec(
         config=cfg,
         processors=processors,
         stopping=stopping,
         max_new_tokens=max_new,
-        sample=bool(cfg.do_sample),
+        sample=sample,
         eos=eos_token_ids(cfg.eos_token_id),
         lookup=lookup,
         streamer=streamer,
+        plain_stop=None if sample or len(processors) else _plain_stop(stopping),
     )
+
+
+def _plain_stop(stopping: StoppingCriteriaList) -> tuple[int, frozenset[int]] | None:
+    """``(max_length, eos ids)`` of stopping criteria that are only Transformers' max-length and EOS checks
+    (``None`` where any other criterion, a stop string or a user's, needs the ids)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    limit, eos = 1 << 62, set()
+    for criterion in stopping:
+        if type(criterion) is MaxLengthCriteria:
+            limit = min(limit, int(criterion.max_length))
+        elif type(criterion) is EosTokenCriteria:
+            eos.update(int(t) for t in criterion.eos_token_id.flatten().tolist())
+        else:
+            return None
+    return limit, frozenset(eos)
 
 
 def _resolve_config(

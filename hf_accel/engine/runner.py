@@ -23,9 +23,12 @@ from .scheduler import Work
 __all__ = ["next_tokens", "packed_forward", "stop_reason"]
 
 
-def packed_forward(model: nn.Module, cache: PagedCache, works: list[Work], device: torch.device) -> dict[int, Any]:
+def packed_forward(
+    model: nn.Module, cache: PagedCache, works: list[Work], device: torch.device
+) -> dict[int, tuple[torch.Tensor, list[int]]]:
     """One forward over the packed chunk of ``works``; returns each sampling request's logits ``[1 + drafts, V]``
-    float32, by request id."""
+    float32 and their argmax (read back once for the whole step: the picks of plain greedy requests), by request
+    id."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -53,11 +56,12 @@ def packed_forward(model: nn.Module, cache: PagedCache, works: list[Work], devic
     finally:
         cache.unpin()
     logits = out.logits[0].float()  # [K, V]
+    picks = logits.argmax(-1).tolist()  # [K]: the step's one read of the device
     result, at = {}, 0
     for w in works:
         if w.sample:
             n = 1 + len(w.drafts)
-            result[w.state.rid] = logits[at : at + n]
+            result[w.state.rid] = (logits[at : at + n], picks[at : at + n])
             at += n
     return result
 
@@ -70,8 +74,11 @@ def _scores(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> torch.
     return tracked.spec.processors(ids[None].to(logits.device), logits[None])
 
 
-def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> Verdict:
-    """The request's next token(s) from ``logits`` ``[1 + drafts, V]``: the drafts it keeps plus one of its own."""
+def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor, picks: list[int]) -> Verdict:
+    """The request's next token(s) from ``logits`` ``[1 + drafts, V]`` (``picks``: their argmax, on the host): the
+    drafts it keeps plus one of its own."""
+    if tracked.spec.plain_stop is not None:  # plain greedy: the argmax is the choice
+        return verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
     if tracked.spec.sample:
         rows = [_scores(tracked, drafts[:j], logits[j])[0] for j in range(len(drafts) + 1)]
         probs = torch.stack(rows).softmax(-1)  # [1 + drafts, V]
@@ -88,7 +95,11 @@ def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> Ve
 def stop_reason(tracked: Tracked, token: int, generated: int, max_new_tokens: int) -> FinishReason | None:
     """Why the request stops after ``token`` (already appended to its ids), or ``None``."""
     spec = tracked.spec
-    if not bool(spec.stopping(tracked.ids.view()[None], None).any()):
+    if spec.plain_stop is not None:  # what the max-length and EOS criteria would say, on the host
+        max_length, eos = spec.plain_stop
+        if token not in eos and len(tracked.ids) < max_length:
+            return None
+    elif not bool(spec.stopping(tracked.ids.view()[None], None).any()):
         return None
     if token in spec.eos:
         return FinishReason.EOS
