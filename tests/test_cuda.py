@@ -47,7 +47,7 @@ def test_paged_greedy_identical_and_reported(device, arch):
 
 def test_compiled_step_greedy_identical(device):
     torch._dynamo.reset()
-    config = CompileConfig(prepack=False) if device.type == "cuda" else CompileConfig(backend="eager", cuda_graphs=True)
+    config = _compile_config(device)
     plain = tiny_model("llama").to(device)
     patched = hf_accel.patch_model(tiny_model("llama").to(device), **dict(PLAIN_PATH, compile=config),
                                    paged=_paged(device, block_size=4))  # fmt: skip
@@ -75,8 +75,16 @@ def test_int8_matches_its_dequantized_weights(device):
     assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS), expected)
 
 
-def test_engine_equals_single_requests(device):
-    model = hf_accel.patch_model(tiny_model("llama").to(device), **PLAIN_PATH)
+def _compile_config(device: torch.device) -> CompileConfig:
+    """Inductor with CUDA graphs on CUDA; on the CPU the same bucketed shapes, traced only (quick)."""
+    return CompileConfig(prepack=False) if device.type == "cuda" else CompileConfig(backend="eager", cuda_graphs=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_engine_equals_single_requests(device, compiled):
+    torch._dynamo.reset()
+    patch = dict(PLAIN_PATH, compile=_compile_config(device)) if compiled else PLAIN_PATH
+    model = hf_accel.patch_model(tiny_model("llama").to(device), **patch)
     prompts = [[5 + i] * (3 + 7 * i) for i in range(5)]
     refs = [
         model.generate(torch.tensor([p], device=device), max_new_tokens=8, **NO_EOS)[0, len(p) :].tolist()
@@ -84,8 +92,11 @@ def test_engine_equals_single_requests(device):
     ]
     engine = Engine(model, max_batch_tokens=32, max_running=3, paged=_paged(device, num_blocks=48, block_size=4))
     ids = [engine.add_request(p, max_new_tokens=8, eos_token_id=None) for p in prompts]
+    ids.append(engine.add_request(prompts[2], max_new_tokens=8, eos_token_id=None, prompt_lookup=True))
     outputs = engine.run_until_done()
-    assert [outputs[i].tokens for i in ids] == refs
+    assert [outputs[i].tokens for i in ids] == [*refs, refs[2]]
+    if compiled:  # steps where every request fed one token ran the compiled (bucketed) step
+        assert model.forward.steps > 0 and model.forward.static_shapes
 
 
 def test_threads_on_one_model(device):

@@ -85,6 +85,59 @@ class CompiledPagedDecode:
         )
         return out.logits  # [B, W, V]
 
+    def run_rows(
+        self,
+        cache: PagedCache,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        q_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """One compiled step over rows someone else planned (:class:`hf_accel.Engine`'s decode steps:
+        :meth:`~hf_accel.PagedCache.rows_plan`): ``ids`` / ``position_ids`` / ``q_pos`` ``[B, 1]``, ``slots``
+        ``[B]``, ``tables`` ``[B, MB]``, on the model's device. Returns logits ``[B, 1, V]``."""
+        return self._run(cache, ids, position_ids, slots, tables, q_pos)
+
+    def _run(
+        self,
+        cache: PagedCache,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        q_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Pad (static shapes) or mark dynamic dimensions, then run the compiled step; logits ``[B, W, V]``."""
+        rows, width = ids.shape
+        if self.static_shapes:
+            ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
+            self._mark_static(cache)
+        elif tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
+            tables = torch.nn.functional.pad(tables, (0, 1))
+        torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
+        for t in (ids, position_ids, slots, tables, q_pos):  # rows leave mid-call (speculative decoding's
+            if t.shape[0] > 1:  # compaction) and calls differ in batch: one graph for every batch size > 1
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if width > 1:  # verification chunks of any width share one graph (width 1 keeps its own)
+            for t in (ids, position_ids, q_pos):
+                if t.shape[1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+        layers = cache.layers
+        if cache.grows:  # a pool that grows keeps its graph: its block count is symbolic
+            for x in layers:
+                torch._dynamo.maybe_mark_dynamic(x.keys, 0)
+                torch._dynamo.maybe_mark_dynamic(x.values, 0)
+        attention = step_attention(layers[0].attention)  # the cache's choice, reported with the cache
+        plan = DecodePlan(
+            slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), attention
+        )  # fmt: skip
+        logits = self.compiled(ids, position_ids, plan)
+        if self.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
+            logits = logits[:rows].clone() if self.graphs else logits[:rows]
+        self.steps += 1
+        return logits
+
     def _mark_static(self, cache: PagedCache) -> None:
         """Tell the compiler the pools keep their addresses (CUDA graphs write them in place; a pool that moves, a
         grown one or another cache's, makes the graphs re-record, never recompile)."""
@@ -126,31 +179,5 @@ class CompiledPagedDecode:
         mask = kwargs.get("attention_mask")
         padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
-        rows = ids.shape[0]
-        if self.static_shapes:
-            ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
-            self._mark_static(cache)
-        elif tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
-            tables = torch.nn.functional.pad(tables, (0, 1))
-        torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
-        for t in (ids, position_ids, slots, tables, q_pos):  # rows leave mid-call (speculative decoding's
-            if t.shape[0] > 1:  # compaction) and calls differ in batch: one graph for every batch size > 1
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-        if width > 1:  # verification chunks of any width share one graph (width 1 keeps its own)
-            for t in (ids, position_ids, q_pos):
-                if t.shape[1] > 1:
-                    torch._dynamo.maybe_mark_dynamic(t, 1)
-        layers = cache.layers
-        if cache.grows:  # a pool that grows keeps its graph: its block count is symbolic
-            for x in layers:
-                torch._dynamo.maybe_mark_dynamic(x.keys, 0)
-                torch._dynamo.maybe_mark_dynamic(x.values, 0)
-        attention = step_attention(layers[0].attention)  # the cache's choice, reported with the cache
-        plan = DecodePlan(
-            slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), attention
-        )  # fmt: skip
-        logits = self.compiled(ids, position_ids, plan)
-        if self.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
-            logits = logits[:rows].clone() if self.graphs else logits[:rows]
-        self.steps += 1
+        logits = self._run(cache, ids, position_ids, slots, tables, q_pos)
         return CausalLMOutputWithPast(logits=logits, cache=cache)

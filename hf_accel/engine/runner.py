@@ -9,11 +9,10 @@ as plain decoding would have chosen. Per-token work reads each request's :class:
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from ..compile.paged_step import CompiledPagedDecode
 from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PagedCache
 from ..speculative.verify import Verdict, verify_greedy, verify_sampling
@@ -28,7 +27,11 @@ def packed_forward(
 ) -> dict[int, tuple[torch.Tensor, list[int]]]:
     """One forward over the packed chunk of ``works``; returns each sampling request's logits ``[1 + drafts, V]``
     float32 and their argmax (read back once for the whole step: the picks of plain greedy requests), by request
-    id."""
+    id. A step where every request feeds one token runs the model's compiled decode step when it has one (the
+    compile feature: on CUDA, CUDA graphs)."""
+    step = model.__dict__.get("forward")
+    if isinstance(step, CompiledPagedDecode) and all(w.sample and len(w.tokens) + len(w.drafts) == 1 for w in works):
+        return _compiled_decode(step, cache, works, device)
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -64,6 +67,22 @@ def packed_forward(
             result[w.state.rid] = (logits[at : at + n], picks[at : at + n])
             at += n
     return result
+
+
+def _compiled_decode(
+    step: CompiledPagedDecode, cache: PagedCache, works: list[Work], device: torch.device
+) -> dict[int, tuple[torch.Tensor, list[int]]]:
+    """A decode step of ``B`` requests as a ``[B, 1]`` batch through the compiled step (same pools, same slots)."""
+    fed = [(w.tokens + w.drafts)[0] for w in works]
+    copies = [c for w in works for c in w.copies]
+    slots, tables, q_pos = cache.rows_plan([w.state.seq for w in works], [w.start for w in works],
+                                           [w.slots[0] for w in works], copies)  # fmt: skip
+    with torch.no_grad():
+        logits = step.run_rows(cache, torch.tensor(fed, device=device)[:, None], q_pos.to(torch.long), slots,
+                               tables, q_pos)  # fmt: skip
+    logits = logits[:, 0].float()  # [B, V]
+    picks = logits.argmax(-1).tolist()  # the step's one read of the device
+    return {w.state.rid: (logits[i : i + 1], picks[i : i + 1]) for i, w in enumerate(works)}
 
 
 def _scores(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

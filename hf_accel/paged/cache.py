@@ -383,6 +383,30 @@ class PagedCache(Cache, RowRollback):
         device = self.layers[0].device
         return step.padded_slots().to(device), step.block_tables.to(device), step.q_pos.to(device)
 
+    def rows_plan(
+        self, seqs: Sequence[int], positions: Sequence[int], slots: Sequence[int], copies: list[BlockCopy]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Plan one token for each of ``seqs`` at ``positions`` into ``slots`` (reserved by the caller,
+        :class:`hf_accel.Engine`) for a forward that writes the pools itself (the compiled decode step): the
+        copy-on-write copies are done here. Returns ``slots`` ``[B]`` int64, ``block_tables`` ``[B, MB]`` int32 and
+        ``q_pos`` ``[B, 1]`` int32, on the first layer's device.
+
+        Raises:
+            IncompatibleOptionsError: not one slot and one position per sequence.
+        """
+        if not len(seqs) == len(positions) == len(slots):
+            raise IncompatibleOptionsError(
+                f"rows_plan needs one position and one slot per sequence, got {len(seqs)} / {len(positions)} / "
+                f"{len(slots)}"
+            )
+        for layer in self.layers:
+            layer.copy_blocks(copies)
+        self._note_peak()
+        device = self.layers[0].device
+        q_pos = torch.tensor(list(positions), dtype=torch.int32)[:, None]  # [B, 1]
+        slot_t = torch.tensor(list(slots), dtype=torch.int64)
+        return slot_t.to(device), self.tables.of(seqs).to(device), q_pos.to(device)
+
     def pin_packed(
         self, seqs: Sequence[int], starts: Sequence[int], slots: Sequence[int], copies: list[BlockCopy], short_max: int
     ) -> None:
