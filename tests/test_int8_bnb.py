@@ -100,7 +100,8 @@ def test_bnb_on_cpu_warns_about_speed(caplog):
 def test_auto_backend_choice():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_backend(Int8Config(), cpu) == "native"  # the AVX2 kernel: ~3x fp32 here, bitsandbytes ~1x
-    assert resolve_backend(Int8Config(), cuda) == "bitsandbytes"
+    assert resolve_backend(Int8Config(), cuda) == "native"  # fused int8-weight matmuls (docs/cuda.md)
+    assert resolve_backend(Int8Config(), torch.device("mps")) in ("quanto", "native")
     assert resolve_backend(Int8Config(group_size=32), cuda) == "native"  # bitsandbytes has row scales only
     assert resolve_backend(Int8Config(backend="native"), cuda) == "native"
     assert resolve_backend(BNB, cpu) == "bitsandbytes"

@@ -235,10 +235,10 @@ class Int8Config:
     """Weight-only int8 options (lossy: never enabled by default).
 
     Args:
-        backend: ``"auto"`` (native on CPU; on CUDA bitsandbytes when installed, else optimum-quanto when
-            installed; on other devices optimum-quanto when installed; else native), ``"native"`` (hf_accel
-            kernels), ``"bitsandbytes"`` (``Linear8bitLt``; needs ``pip install "hf_accel[bnb]"``) or ``"quanto"``
-            (optimum-quanto's ``QLinear`` with qint8 weights, per output row; needs ``pip install optimum-quanto``).
+        backend: ``"auto"`` (native on CPU and CUDA; on other devices optimum-quanto when installed; else
+            native), ``"native"`` (hf_accel kernels), ``"bitsandbytes"`` (``Linear8bitLt``; needs ``pip install
+            "hf_accel[bnb]"``) or ``"quanto"`` (optimum-quanto's ``QLinear`` with qint8 weights, per output row;
+            needs ``pip install optimum-quanto``).
         group_size: quantize per group of this many input features; ``None`` = one scale per output row.
         skip_modules: glob patterns of module names left in float.
         keep_original: keep the float weights so ``unpatch_model`` restores them exactly.

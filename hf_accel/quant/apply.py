@@ -45,18 +45,16 @@ def resolve_backend(config: Int8Config, device: torch.device) -> str:
     """The backend ``config.backend`` means on ``device``.
 
     ``"auto"`` picks ``"native"`` on CPU (its AVX2 kernel decodes ~3x faster than fp32 here, bitsandbytes
-    ~1x) and whenever a ``group_size`` is set (bitsandbytes has row scales only); on CUDA it picks
-    ``"bitsandbytes"`` when installed (real int8 GEMMs; the native backend has no CUDA kernel and
-    de-quantizes per call there); on CUDA without it and on other devices (MPS) ``"quanto"`` when optimum-quanto
-    is installed; else ``"native"``. W8A8 (``activations="int8"``) is native only.
+    ~1x), on CUDA (a fused int8-weight matmul, ``torch._weight_int8pack_mm``, and a form the compiled step fuses:
+    docs/cuda.md; bitsandbytes' LLM.int8() matmuls stay available as ``backend="bitsandbytes"``) and whenever a
+    ``group_size`` is set (bitsandbytes has row scales only); on other devices (MPS) ``"quanto"`` when
+    optimum-quanto is installed, else ``"native"``. W8A8 (``activations="int8"``) is native only.
     """
     if config.backend != "auto":
         return config.backend
     row_scales = config.group_size is None and config.activations == "float"
-    if device.type == "cpu" or not row_scales:
+    if device.type in ("cpu", "cuda") or not row_scales:
         return "native"
-    if device.type == "cuda" and importlib.util.find_spec("bitsandbytes") is not None:
-        return "bitsandbytes"
     if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
         return "quanto"  # real int8 layers where the native backend would de-quantize per call (CUDA, MPS)
     return "native"

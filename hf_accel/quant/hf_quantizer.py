@@ -179,12 +179,6 @@ class Int8HfQuantizer(HfQuantizer):
                 "hf_accel int8 layers cannot be offloaded to disk; use a device_map without 'disk' (int8 needs a "
                 "quarter of the float32 memory) or skip those modules with Int8Config(skip_modules=[...])"
             )
-        on_cuda = any(str(p).startswith("cuda") or isinstance(p, int) for p in places) or device_map in ("cuda", "auto")
-        if on_cuda and torch.cuda.is_available():
-            logger.warning(
-                "hf_accel: native int8 has no CUDA kernel (it de-quantizes per call there); for int8 on CUDA "
-                "load with transformers.BitsAndBytesConfig(load_in_8bit=True) and hf_accel.patch_model the result"
-            )
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
         prefix, _, name = param_name.rpartition(".")

@@ -1,7 +1,7 @@
 """The optimum-quanto int8 backend: ``QLinear`` layers with qint8 weights (one scale per output row).
 
 optimum-quanto is an optional dependency (``pip install optimum-quanto``), imported only when this backend is
-used. It serves devices hf_accel's native kernels do not cover (CUDA without bitsandbytes, Apple MPS); on the CPU the
+used. It serves devices hf_accel's native kernels do not cover (Apple MPS); on the CPU the
 native backend is faster (docs/int8.md has the measured figures).
 """
 
