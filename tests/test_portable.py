@@ -23,8 +23,8 @@ PLAIN_PATH = dict(compile=False, native=False, speculative=SpeculativeConfig(aut
 
 @pytest.fixture
 def batched_calls(monkeypatch):
-    """Counts calls of the portable paged attention (looked up by the paged path at each use)."""
-    calls = [0]
+    """Counts calls of the portable paged attention and of the batched prefill (looked up at each use)."""
+    calls = [0, 0]
     real = portable.paged_attention
 
     def counted(*args):
@@ -32,6 +32,13 @@ def batched_calls(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(portable, "paged_attention", counted)
+    real_chunk = portable.chunk_attention
+
+    def counted_chunk(*args):
+        calls[1] += 1
+        return real_chunk(*args)
+
+    monkeypatch.setattr(portable, "chunk_attention", counted_chunk)
     return calls
 
 
@@ -104,6 +111,26 @@ def test_portable_ops_trace_without_graph_breaks_or_host_reads():
     q, s = torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32, 1) / 50
     x = torch.randn(3, 64)  # |y| ~ 10: float32 sums in another order
     assert_close(linear(x, q, s), reference.int8_linear(x, q, s), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (0, 20.0)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_chunk_attention_matches_per_row_attention(window, softcap, heads, kv_heads):
+    gen = torch.Generator().manual_seed(4)
+    lengths, width = [9, 3, 0, 6], 9  # left padding; an empty (released) row
+    q_pos = torch.full((4, width), -1, dtype=torch.int32)
+    for row, n in enumerate(lengths):
+        q_pos[row, width - n :] = torch.arange(n, dtype=torch.int32)
+    query = torch.randn(4, heads, width, 16, generator=gen)
+    key, value = torch.randn(2, 4, kv_heads, width, 16, generator=gen).unbind(0)
+    got = portable.chunk_attention(query, key, value, q_pos, 0.25, window, softcap)  # [B, Q, H_q, D]
+    for row, n in enumerate(lengths):
+        real = slice(width - n, width)
+        if n:
+            want = reference.dense_attention(query[row][:, real], key[row][:, real], value[row][:, real],
+                                             list(range(n)), 0.25, window, softcap)  # fmt: skip
+            assert_close(got[row, real], want.transpose(0, 1), atol=2e-6, rtol=1e-5, name=f"row {row}")
+        assert torch.equal(got[row, : width - n], torch.zeros_like(got[row, : width - n]))  # padding: zeros
 
 
 @pytest.mark.parametrize("slots", [[9, -1, 2, -1, 30, 31], [-1, -1, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5], [-1, 7]])
@@ -186,6 +213,7 @@ def test_greedy_identical_with_batched_attention(arch, init, batched_calls):
                        expected)  # fmt: skip
     decode_calls = batched_calls[0]
     assert decode_calls == 11 * patched.config.num_hidden_layers  # every decode step of every layer
+    assert batched_calls[1] == patched.config.num_hidden_layers  # the padded prompts: one call per layer
     spec = patched.generate(
         input_ids=ids,
         attention_mask=mask,

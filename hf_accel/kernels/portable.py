@@ -12,7 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["INT8PACK_MAX_ROWS", "WHY", "int8_linear", "int8_linear_compiled", "paged_attention", "pool_write"]
+__all__ = [
+    "INT8PACK_MAX_ROWS",
+    "WHY",
+    "chunk_attention",
+    "int8_linear",
+    "int8_linear_compiled",
+    "paged_attention",
+    "pool_write",
+]
 
 #: up to this many rows :func:`int8_linear` runs the fused W8A16 matmul (decode, verification chunks)
 INT8PACK_MAX_ROWS = 16
@@ -37,16 +45,41 @@ def _gather_context(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return blocks.view(batch, width * pool.shape[1], *pool.shape[2:]).transpose(1, 2)
 
 
-def _visible(q_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
-    """``[B, Q, S]`` bool: query at ``q_pos`` sees key ``t`` when ``t <= q_pos`` (and ``t > q_pos - window``).
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, Q, S]`` bool: query at ``q_pos`` ``[B, Q]`` sees key at ``k_pos`` ``[B, S]`` (``-1``: no key) when
+    ``0 <= k_pos <= q_pos`` (and ``k_pos > q_pos - window``).
 
-    A padding query (``q_pos < 0``) is given key 0 alone, so its softmax stays finite; the caller zeroes it."""
-    t = torch.arange(length, device=q_pos.device)  # [S]
-    pos = q_pos.long()[..., None]  # [B, Q, 1]
-    visible = t <= pos
+    A query that sees nothing (padding, ``q_pos < 0``) is given key 0 alone, so its softmax stays finite; the caller
+    zeroes its output."""
+    pos, keys = q_pos.long()[..., None], k_pos.long()[:, None, :]  # [B, Q, 1], [B, 1, S]
+    visible = (keys >= 0) & (keys <= pos)
     if window > 0:
-        visible &= t > pos - window
-    return visible | ((pos < 0) & (t == 0))
+        visible &= keys > pos - window
+    first = torch.arange(k_pos.shape[1], device=k_pos.device) == 0  # [S]
+    return visible | (~visible.any(-1, keepdim=True) & first)
+
+
+def _attend(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+    window: int, softcap: float,
+) -> torch.Tensor:  # fmt: skip
+    """``query`` ``[B, H_q, Q, D]`` over finite ``k`` / ``v`` ``[B, H_kv, S, D]`` with token positions ``q_pos``
+    ``[B, Q]`` / ``k_pos`` ``[B, S]`` (-1: padding) -> ``[B, Q, H_q, D]``, zeros for padding queries."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    visible = _visible(q_pos, k_pos, window)  # [B, Q, S]
+    # grouped heads share their K/V: query head h reads K/V head h // groups
+    q = query.reshape(batch, kv_heads, groups * q_len, dim)  # [B, H_kv, G*Q, D]
+    mask = visible[:, None, None].expand(batch, 1, groups, q_len, length).reshape(batch, 1, groups * q_len, length)
+    if softcap > 0:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*Q, S]
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G*Q, D]
+    out = out.view(batch, heads, q_len, dim).transpose(1, 2)  # [B, Q, H_q, D]
+    return torch.where((q_pos >= 0)[..., None, None], out, 0)
 
 
 def paged_attention(
@@ -60,28 +93,27 @@ def paged_attention(
     (-1 = padding, which gets zeros). Returns ``[B, Q, H_q, D]``. Every row reads its ``MB * BS`` table slots (the
     widest row's context); keys past a query's position are masked.
     """
-    batch, heads, q_len, dim = query.shape
-    kv_heads = k_pool.shape[2]
-    groups = heads // kv_heads
     k = _gather_context(k_pool, block_tables).to(query.dtype)  # [B, H_kv, S, D]
     v = _gather_context(v_pool, block_tables).to(query.dtype)
     # slots past a row's last query were never written (or hold another sequence's tokens, or a pool's uninitialised
     # memory): zero them, since a masked score times a NaN value would still be NaN (and so would a multiply by 0)
-    stored = torch.arange(k.shape[2], device=q_pos.device) <= q_pos.amax(dim=1, keepdim=True)  # [B, S]
-    stored = stored[:, None, :, None]  # [B, 1, S, 1]
-    k, v = torch.where(stored, k, 0), torch.where(stored, v, 0)
-    visible = _visible(q_pos, k.shape[2], window)  # [B, Q, S]
-    # grouped heads share their K/V: query head h reads K/V head h // groups
-    q = query.reshape(batch, kv_heads, groups * q_len, dim)  # [B, H_kv, G*Q, D]
-    mask = visible[:, None, None].expand(batch, 1, groups, q_len, k.shape[2]).reshape(batch, 1, groups * q_len, -1)
-    if softcap > 0:
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*Q, S]
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G*Q, D]
-    out = out.view(batch, heads, q_len, dim).transpose(1, 2)  # [B, Q, H_q, D]
-    return torch.where((q_pos >= 0)[..., None, None], out, 0)
+    t = torch.arange(k.shape[2], device=q_pos.device)  # [S]
+    stored = t <= q_pos.amax(dim=1, keepdim=True)  # [B, S]
+    k = torch.where(stored[:, None, :, None], k, 0)
+    v = torch.where(stored[:, None, :, None], v, 0)
+    return _attend(query, k, v, q_pos, torch.where(stored, t, -1), scale, window, softcap)
+
+
+def chunk_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int,
+    softcap: float,
+) -> torch.Tensor:  # fmt: skip
+    """A batch of fresh prompts (nothing stored before this chunk) attending over their own tokens in one call.
+
+    Shapes: query ``[B, H_q, Q, D]``; key / value ``[B, H_kv, Q, D]``; q_pos ``[B, Q]`` (each token's index in its
+    sequence, -1 = padding: neither a query nor a key). Returns ``[B, Q, H_q, D]`` (zeros for padding).
+    """
+    return _attend(query, key.to(query.dtype), value.to(query.dtype), q_pos, q_pos, scale, window, softcap)
 
 
 def pool_write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:

@@ -11,12 +11,15 @@ With a ``PagedCache``, the mask function returns a :class:`PagedMask` (the 2D pa
 is built); the attention function writes the chunk's real tokens into the pool and then attends:
 
 * decode-sized chunks (``Q <= DECODE_MAX_QUERY``) on CPU: the native kernel reads K/V straight from the
-  pool through the block tables (no contiguous copy of the context); on accelerators (or with
-  ``attention="batched"``) the portable implementation attends for the whole batch at once with every index on
-  the device (:func:`hf_accel.kernels.portable.paged_attention`: no host sync, capturable in a CUDA graph);
-* ``gather`` path (prefill, other devices, or on request): per row, SDPA over the new tokens when the row
-  had no context (nothing is gathered), else over the row's context gathered from the pool. This is also the
-  reference the kernel is tested against.
+  pool through the block tables (no contiguous copy of the context); on CUDA the Triton kernel
+  (:mod:`hf_accel.kernels.triton_paged`) does the same; elsewhere on accelerators (or with ``attention="batched"``)
+  the portable implementation attends for the whole batch at once with every index on the device
+  (:func:`hf_accel.kernels.portable.paged_attention`); neither reads the device on the host (CUDA-graph safe);
+* prefill on an accelerator path (CUDA, or ``attention="batched"``) of a batch of fresh prompts: one masked SDPA
+  call for the batch over the chunk's own K/V (:func:`hf_accel.kernels.portable.chunk_attention`);
+* ``gather`` path (other prefill, or on request): per row, SDPA over the new tokens when the row had no context
+  (nothing is gathered), else over the row's context gathered from the pool. This is also the reference the kernel
+  is tested against.
 """
 
 from __future__ import annotations
@@ -293,6 +296,10 @@ def attend(
     if _use_kernel(layer, query):
         t = step.tensors(layer.device)
         return _kernel_attention(layer, query, t["block_tables"], t["q_pos"], scale, window, softcap)
+    if all(step.fresh) and step_attention(layer.attention) in ("portable", "triton"):
+        # fresh prompts on an accelerator path: one call for the batch, over the chunk's own K/V (nothing is read back)
+        q_pos = step.tensors(layer.device)["q_pos"]
+        return portable.chunk_attention(query, key, value, q_pos, scale, window, softcap)
     return gather_attention(layer, query, key, value, step, scale, window, softcap)
 
 
