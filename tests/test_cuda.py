@@ -126,14 +126,36 @@ def test_portable_kernels_never_wait_for_the_device():
     x, q = torch.randn(2, 128, device=dev, dtype=torch.bfloat16), torch.randint(-127, 128, (64, 128), device=dev)
     q, s = q.to(torch.int8), torch.rand(64, 1, device=dev) / 50
     torch.cuda.synchronize()
+    from hf_accel.kernels import triton_int8, triton_paged
+
+    triton_paged.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)  # compile the kernels first
+    triton_int8.int8_linear(x, q, s)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         portable.pool_write(k_pool, new, slots)
         out = portable.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)
         y = portable.int8_linear(x, q, s)
+        out2 = triton_paged.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)
+        y2 = triton_int8.int8_linear(x, q, s)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert out.shape == (2, 1, 8, 64) and y.shape == (2, 64)
+    assert out.shape == out2.shape == (2, 1, 8, 64) and y.shape == y2.shape == (2, 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,atol,rtol", [(torch.float32, 1e-4, 1e-5), (torch.bfloat16, 0.25, 1e-2),
+                                             (torch.float16, 0.05, 2e-3)])  # fmt: skip
+def test_triton_int8_on_the_gpu(dtype, atol, rtol):
+    from hf_accel.kernels import reference, triton_int8
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m, n, k in [(1, 4096, 4096), (4, 14336, 4096), (16, 4096, 14336), (3, 1000, 200)]:  # 8B-shaped and a tail
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=gen)
+        s = torch.rand(n, 1, device="cuda", generator=gen) / 500
+        x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+        want = reference.int8_linear(x, q, s)  # float32 sums of the same values
+        assert_close(triton_int8.int8_linear(x, q, s).float(), want, atol=atol, rtol=rtol, name=f"{m}x{n}x{k} {dtype}")
 
 
 @pytest.mark.cuda

@@ -228,7 +228,7 @@ def test_other_devices_run_the_portable_implementation_or_the_reference_and_say_
         "cuda/triton": "a CUDA kernel; this call is on meta",
         "reference": "written to be plainly right, not fast",
     }
-    assert choose("int8_linear", "cuda", group_size=64).fn is portable.int8_linear
+    assert choose("int8_linear", "meta", group_size=64).fn is portable.int8_linear
     plain = choose("float_linear", "meta")  # no portable form: the reference, said so
     assert plain.impl == "reference" and not plain.native
     assert plain.rejected == {"cpu/*": "native builds are CPU code; this call is on meta"}

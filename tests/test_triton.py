@@ -1,6 +1,7 @@
-"""The Triton paged-attention kernel held to the torch reference in Triton's interpreter (``TRITON_INTERPRET=1``,
-in a subprocess: the variable must be set before Triton compiles anything). Skipped where Triton is not installed
-(``pip install -e .[test]`` installs it); on CUDA, tests/test_cuda.py runs the compiled kernel."""
+"""The Triton kernels (paged attention, int8 linear) held to the torch reference in Triton's interpreter
+(``TRITON_INTERPRET=1``, in a subprocess: the variable must be set before Triton compiles anything). Skipped where
+Triton is not installed (``pip install -e .[test]`` installs it); on CUDA, tests/test_cuda.py runs the compiled
+kernels."""
 
 from __future__ import annotations
 
@@ -36,11 +37,26 @@ for dtype, atol in ((torch.float16, 2e-3),):
     got = triton_paged.paged_attention(*args, 0.2, 0, 0.0)
     assert got.dtype == dtype
     assert_close(got, reference.paged_attention(*args, 0.2, 0, 0.0), atol=atol, rtol=0, name=str(dtype))
+from hf_accel.kernels import triton_int8
+
+gen = torch.Generator().manual_seed(5)
+for m, n, k in [(1, 96, 256), (3, 200, 384), (16, 64, 128), (5, 130, 200), (2, 4100, 64)]:  # tails, splits
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    s = torch.rand(n, 1, generator=gen) / 50
+    for dtype, atol, rtol in ((torch.float32, 2e-5, 2e-6), (torch.float16, 2e-2, 1e-3)):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        got = triton_int8.int8_linear(x, q, s)
+        assert got.dtype == dtype
+        want = reference.int8_linear(x, q, s)
+        assert_close(got.float(), want, atol=atol, rtol=rtol, name=f"int8 {m}x{n}x{k} {dtype}")
+x, q = torch.randn(40, 128, generator=gen), torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=gen)
+for s in (torch.rand(32, 1, generator=gen) / 50, torch.rand(32, 4, generator=gen) / 50):  # prefill rows; groups
+    assert_close(triton_int8.int8_linear(x, q, s), reference.int8_linear(x, q, s), atol=2e-5, rtol=2e-6, name="rest")
 print("ok")
 """
 
 
-def test_triton_kernel_matches_the_reference_in_the_interpreter():
+def test_triton_kernels_match_the_reference_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, Int8Config, PagedCache, PagedConfig, SpeculativeConfig
-from hf_accel.kernels import portable
+from hf_accel.quant.linear import Int8Linear
 
 SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B geometry; "tiny" for CPU smoke runs
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -123,14 +123,15 @@ def batch1(model: Any, device: str, new: int, args: argparse.Namespace) -> list[
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], bool]]:
-    """The hf_accel paths of batch 1: (name, patch_model keywords, int8 linears in the graph as int8pack_mm)."""
+    """The hf_accel paths of batch 1: (name, patch_model keywords, int8 linears in the graph as the de-quantize
+    form instead of the Triton kernel)."""
     compiled = CompileConfig(backend=args.backend, prepack=False)
     int8 = Int8Config(backend="native", keep_original=True)  # restored bitwise: later paths see the same weights
     out = [("hf_accel paged", dict(PLAIN), False),
            ("hf_accel paged + compiled step", dict(PLAIN, compile=compiled), False),
            ("hf_accel int8 + compiled step", dict(PLAIN, compile=compiled, int8=int8), False)]  # fmt: skip
     if args.device.startswith("cuda"):  # the other in-graph int8 form (docs/cuda.md: chosen by measurement)
-        out.append(("hf_accel int8 + compiled step, int8pack_mm in the graph", out[-1][1], True))
+        out.append(("hf_accel int8 + compiled step, de-quantize form in the graph", out[-1][1], True))
     if not args.big:  # the other attention candidate
         batched = PagedConfig(attention="batched")
         out.append(("hf_accel paged + compiled step, portable attention", dict(PLAIN, compile=compiled, paged=batched),
@@ -141,21 +142,21 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], bool]]
 def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device: str, new: int,
                  args: argparse.Namespace) -> list[dict[str, Any]]:  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for name, patch, int8pack in variants(args):
+    for name, patch, dequantize in variants(args):
         if args.deadline and time.monotonic() > args.deadline:
             rows.append({"path": name, "batch": 1, "skipped": "time budget"})
             continue
         hf_accel.patch_model(model, **patch)
-        graph_form = portable.int8_linear_compiled
-        if int8pack:  # measurement only: the eager W8A16 kernel as the compiled step's int8 linear
-            portable.int8_linear_compiled = portable.int8_linear
+        if dequantize:  # measurement only: every Int8Linear without its Triton op (the portable forms)
+            for module in model.modules():
+                if isinstance(module, Int8Linear):
+                    module._device_op = ""
         try:
             rows.append(generate_row(name, gen(paged=True), 1, new, device))
             rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]
-            if "compiled step" in name and not int8pack:
+            if "compiled step" in name and not dequantize:
                 rows.append(verification_costs(model, ids, device, name))
         finally:
-            portable.int8_linear_compiled = graph_form
             hf_accel.unpatch_model(model)
     return rows
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (under 8 minutes on one H100). Results land in $OUT (or the folder given as $1):
 #   tests.log / tests.xml  the cuda-marked tests and the greedy-equality tests on device=cuda (float32)
-#   attention.txt          paged decode attention alone: per-row reference, portable, Triton
+#   kernels.txt            the kernels alone: paged attention and int8 linear against their alternatives
 #   results.md / .json     benchmarks/gpu/bench_gpu.py: 1B- and 8B-shaped random Llamas in bfloat16
 # On the GPU machine (no package registry) it first installs the wheels benchmarks/gpu/fetch_wheels.sh put in .whl/
 # (carry .whl). DEVICE=cpu runs the CPU-side parts (the same scripts on a tiny model, no CUDA tests), as CI's
@@ -29,9 +29,10 @@ if [ "$DEVICE" = cuda ]; then
   # since others import packages the GPU image lacks (fastapi, openai, gguf)
   timeout 180 "$PY" -m pytest -q -m cuda tests/test_cuda.py tests/test_registry_patch.py tests/test_scaling.py \
     -p no:cacheprovider --junitxml "$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" || status=1
-  # a few seconds: paged decode attention alone (per-row reference, portable, Triton), 8B-like heads, bf16
-  timeout 60 "$PY" benchmarks/gpu/attention_micro.py --device cuda --dtype bfloat16 --batch 32 --max-context 2048 \
-    --heads 32 --kv-heads 8 --head-dim 128 2>&1 | tee "$OUT/attention.txt" || status=1
+  # a few seconds: the kernels alone at 8B shapes in bf16 (paged attention: per-row reference, portable, Triton;
+  # int8 linear at batch 1: float matmul, de-quantize form, Triton)
+  timeout 90 "$PY" benchmarks/gpu/kernels_micro.py --device cuda --dtype bfloat16 --batch 32 --max-context 2048 \
+    --heads 32 --kv-heads 8 --head-dim 128 --intermediate 14336 --rows 1 2>&1 | tee "$OUT/kernels.txt" || status=1
   SHAPES=${SHAPES:-1b,8b} BUDGET=${BUDGET:-270} NEW=${NEW:-64} BACKEND=inductor BATCH=32
 else
   SHAPES=tiny BUDGET=0 NEW=8 BACKEND=eager BATCH=4

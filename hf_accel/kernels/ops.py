@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import build, portable, reference, triton_paged
+from . import build, portable, reference, triton_int8, triton_paged
 from .build import ISAS, extension, extension_status
 
 __all__ = ["OPS", "Choice", "OpSpec", "choose", "define_composite", "native_builds", "op", "reset_choices"]
@@ -104,7 +104,8 @@ class OpSpec:
         needs: ``needs(*args)``: the properties of a call's arguments :attr:`fits` looks at (for the op's dispatch).
         portable: the device-generic implementation (:mod:`.portable`: whole-batch, no host sync) that devices
             without a native build run (CUDA, XPU, MPS); ``None``: they run the reference.
-        triton: ``triton()`` -> the op's Triton kernel for CUDA, or ``None`` and why not (preferred over
+        triton: the op's Triton module for CUDA (``load()`` -> its launcher, or ``None`` and why not; ``WHY``; and
+            ``PORTABLE_WHY_NOT``, what it does better than :attr:`portable`), preferred over
             :attr:`portable` on CUDA where it loads).
     """
 
@@ -117,7 +118,7 @@ class OpSpec:
     fits: Callable[[str, dict[str, Any]], str | None] = _no_fit
     needs: Callable[..., dict[str, Any]] = field(default=lambda *args: {})
     portable: Callable[..., Any] | None = None
-    triton: Callable[[], tuple[Callable[..., Any] | None, str | None]] | None = None
+    triton: Any = None
 
 
 def _rows_by_out(x: torch.Tensor, weight: torch.Tensor, *rest: Any) -> torch.Tensor:
@@ -153,7 +154,7 @@ OPS: dict[str, OpSpec] = {
     for spec in (
         OpSpec(
             "int8_linear", _LINEAR, reference.int8_linear, _rows_by_out, "int8_linear", _ALL, _int8_fit,
-            lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]}, portable.int8_linear,
+            lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]}, portable.int8_linear, triton_int8,
         ),
         OpSpec(
             "w8a8_linear", _LINEAR, reference.w8a8_linear, _rows_by_out, "w8a8_linear", _VNNI, _vnni_fit,
@@ -173,7 +174,7 @@ OPS: dict[str, OpSpec] = {
             "float softcap) -> Tensor",
             reference.paged_attention, _attention_fake, "paged_attention", _ALL, _paged_fit,
             lambda q, k, *rest: {"dtype": q.dtype, "block_size": k.shape[1], "head_dim": q.shape[-1]},
-            portable.paged_attention, triton_paged.load,
+            portable.paged_attention, triton_paged,
         ),
         OpSpec("panel_pack", "(Tensor weight) -> Tensor", reference.panel_pack, _pack_fake, "panel_pack", _AVX512),
         OpSpec(
@@ -263,12 +264,12 @@ def _triton_choice(spec: OpSpec, device: torch.device, rejected: dict[str, str])
     if device.type != "cuda":
         rejected["cuda/triton"] = f"a CUDA kernel; this call is on {device.type}"
         return None
-    fn, why = spec.triton()
+    fn, why = spec.triton.load()
     if fn is None:
         rejected["cuda/triton"] = str(why)
         return None
-    return Choice(spec.name, "cuda/triton", fn, "one Triton launch for the whole batch, reading the pool in place",
-                  {**rejected, "cuda/portable": "gathers each row's context into a copy first",
+    return Choice(spec.name, "cuda/triton", fn, spec.triton.WHY,
+                  {**rejected, "cuda/portable": spec.triton.PORTABLE_WHY_NOT,
                    "reference": "written to be plainly right, not fast"})  # fmt: skip
 
 

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "INT8PACK_MAX_ROWS",
     "WHY",
     "chunk_attention",
     "int8_linear",
@@ -22,15 +21,12 @@ __all__ = [
     "pool_write",
 ]
 
-#: up to this many rows :func:`int8_linear` runs the fused W8A16 matmul (decode, verification chunks)
-INT8PACK_MAX_ROWS = 16
-
 #: what :func:`hf_accel.kernels.ops.choose` says of each portable implementation when it picks it
 WHY = {
     "paged_attention": "whole-batch attention over the pool with device-side block tables (no host sync, CUDA-graph "
     "safe)",
-    "int8_linear": "PyTorch's fused int8-weight matmul for row scales (torch._weight_int8pack_mm), int8 weights "
-    "de-quantized in the input dtype for grouped scales; a compiled step fuses the de-quantization into the matmul",
+    "int8_linear": "int8 weights de-quantized in the input dtype, then the device's matmul (a compiled step fuses the "
+    "de-quantization)",
 }
 
 
@@ -135,16 +131,10 @@ def pool_write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> No
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Weight-only int8 on an accelerator, eagerly: ``x [M, K]`` @ ``(qweight [N, K] int8 * scale [N, G])^T`` ->
-    ``[M, N]`` in ``x``'s dtype.
-
-    Decode-sized calls (up to :data:`INT8PACK_MAX_ROWS` rows) with one scale per row and bfloat16 / float16
-    activations run PyTorch's fused W8A16 matmul (``torch._weight_int8pack_mm``: the weight is read as int8, never
-    copied); longer calls (prefill: the GEMM's arithmetic outweighs the copy), grouped scales and float32 activations
-    de-quantize the weight in ``x``'s dtype first (a copy per call; the compiled step, :func:`int8_linear_compiled`,
-    fuses it)."""
-    if scale.shape[1] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= INT8PACK_MAX_ROWS:
-        return torch._weight_int8pack_mm(x.contiguous(), qweight, scale.view(-1).to(x.dtype))
+    """Weight-only int8 on an accelerator without a kernel of ours: ``x [M, K]`` @ ``(qweight [N, K] int8 *
+    scale [N, G])^T`` -> ``[M, N]`` in ``x``'s dtype, through a de-quantized copy of the weight in ``x``'s dtype (the
+    compiled step fuses it: :func:`int8_linear_compiled`). PyTorch's ``torch._weight_int8pack_mm`` is not used: its
+    CUDA kernel runs one thread per output with uncoalesced weight reads."""
     return int8_linear_compiled(x, qweight, scale)
 
 

@@ -21,7 +21,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["load"]
+__all__ = ["PORTABLE_WHY_NOT", "WHY", "load"]
+
+#: what :func:`hf_accel.kernels.ops.choose` says of this kernel, and of the portable implementation beside it
+WHY = "one Triton launch for the whole batch, reading the pool in place"
+PORTABLE_WHY_NOT = "gathers each row's context into a copy first"
 
 
 def _pow2(n: int, least: int = 16) -> int:

@@ -45,8 +45,8 @@ def resolve_backend(config: Int8Config, device: torch.device) -> str:
     """The backend ``config.backend`` means on ``device``.
 
     ``"auto"`` picks ``"native"`` on CPU (its AVX2 kernel decodes ~3x faster than fp32 here, bitsandbytes
-    ~1x), on CUDA (a fused int8-weight matmul, ``torch._weight_int8pack_mm``, and a form the compiled step fuses:
-    docs/cuda.md; bitsandbytes' LLM.int8() matmuls stay available as ``backend="bitsandbytes"``) and whenever a
+    ~1x), on CUDA (a Triton W8A16 kernel for decode-sized calls, docs/cuda.md; bitsandbytes' LLM.int8() matmuls
+    stay available as ``backend="bitsandbytes"``) and whenever a
     ``group_size`` is set (bitsandbytes has row scales only); on other devices (MPS) ``"quanto"`` when
     optimum-quanto is installed, else ``"native"``. W8A8 (``activations="int8"``) is native only.
     """

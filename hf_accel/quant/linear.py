@@ -105,8 +105,10 @@ class Int8Linear(nn.Module):
         # the native function (None: the float maths below); the op's name, a string torch.compile guards on
         self._fn = self.choice.fn if cpu else None
         self._cpu_kernel = self.choice.op if cpu else ""
-        if self._cpu_kernel:
-            op(self._cpu_kernel)  # torch.ops.hf_accel.<op>: what a compiled step runs (kept opaque)
+        # on an accelerator: the op's Triton kernel (kept opaque in a compiled step), else the portable form
+        self._device_op = self.choice.op if self.choice.impl == "cuda/triton" else ""
+        if self._cpu_kernel or self._device_op:
+            op(self._cpu_kernel or self._device_op)  # torch.ops.hf_accel.<op>: what a compiled step runs (opaque)
 
     @property
     def cpu_native(self) -> bool:
@@ -150,8 +152,8 @@ class Int8Linear(nn.Module):
         Returns:
             ``"w8a8"`` (VNNI kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
             ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows), ``"portable"`` (on an
-            accelerator: :func:`hf_accel.kernels.portable.int8_linear`, or its fusable form when compiling) or
-            ``"dequantize"``.
+            accelerator: the Triton kernel on CUDA, :mod:`hf_accel.kernels.triton_int8`; elsewhere
+            :func:`hf_accel.kernels.portable.int8_linear`, or its fusable form when compiling) or ``"dequantize"``.
         """
         if x.device.type not in ("cpu", "meta") and self.activations == "float":
             return "portable"
@@ -169,9 +171,14 @@ class Int8Linear(nn.Module):
                 return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
             return self.kernel(x.float()).to(x.dtype)  # [.., K] bf16/fp16: a few fp32 rows in, fp32 sums, cast out
         path = self.kernel_path(x)
-        if path == "portable":  # [.., K] on an accelerator: the int8 weight is read as int8
-            linear = portable.int8_linear_compiled if torch.compiler.is_compiling() else portable.int8_linear
-            y = linear(x.reshape(-1, self.in_features), self.qweight, self.scale)  # [M, N]
+        if path == "portable":  # [.., K] on an accelerator
+            flat = x.reshape(-1, self.in_features)
+            if self._device_op:  # the Triton kernel: opaque to the compiler, the same function eagerly
+                y = getattr(torch.ops.hf_accel, self._device_op)(flat, self.qweight, self.scale)  # [M, N]
+            elif torch.compiler.is_compiling():
+                y = portable.int8_linear_compiled(flat, self.qweight, self.scale)  # fused by Inductor
+            else:
+                y = portable.int8_linear(flat, self.qweight, self.scale)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,92 @@
+"""The kernels alone. Paged decode attention: the reference's per-row loop, the portable whole-batch implementation
+and (on CUDA) the Triton kernel, on one batch of mixed context lengths. Weight-only int8 linear at decode sizes: the
+float matmul of the same shape, the portable de-quantize form and (on CUDA) the Triton W8A16 kernel. Prints
+milliseconds per call (median of 20 after a warm-up).
+
+    python benchmarks/gpu/kernels_micro.py --device cuda --dtype bfloat16 --batch 32 --max-context 2048
+    python benchmarks/gpu/kernels_micro.py --device cpu   # docs/log/2026-12-06-cuda-cpu-side.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from hf_accel.kernels import portable, reference, triton_int8, triton_paged
+
+
+def case(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """Rows with random contexts in [16, max_context], each owning consecutive blocks; one decode query per row."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    lengths = [rng.randint(16, args.max_context) for _ in range(args.batch)]
+    width = max((n + args.block - 1) // args.block for n in lengths)
+    dtype = getattr(torch, args.dtype)
+    pools = torch.randn(2, args.batch * width + 1, args.block, args.kv_heads, args.head_dim, dtype=dtype)
+    tables = torch.arange(args.batch * width, dtype=torch.int32).view(args.batch, width)
+    q_pos = torch.tensor([[n - 1] for n in lengths], dtype=torch.int32)
+    query = torch.randn(args.batch, args.heads, 1, args.head_dim, dtype=dtype)
+    return tuple(t.to(args.device) for t in (query, pools[0], pools[1], tables, q_pos))
+
+
+def timed_ms(call, device: str) -> float:
+    call()
+    times = []
+    for _ in range(20):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def int8_rows(args: argparse.Namespace) -> None:
+    """Decode-sized int8 linears of the model's shapes (q/o, up, down), against the float matmul."""
+    dtype, cuda = getattr(torch, args.dtype), args.device.startswith("cuda")
+    hidden, inter = args.heads * args.head_dim, args.intermediate
+    for n, k in ((hidden, hidden), (inter, hidden), (hidden, inter)):
+        x = torch.randn(args.rows, k, dtype=dtype, device=args.device)
+        weight = torch.randn(n, k, dtype=dtype, device=args.device)
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=args.device)
+        s = torch.rand(n, 1, device=args.device) / 100
+        rows = {"float F.linear": lambda x=x, w=weight: torch.nn.functional.linear(x, w),
+                "portable (de-quantize + matmul)": lambda x=x, q=q, s=s: portable.int8_linear(x, q, s)}  # fmt: skip
+        if cuda and triton_int8.load()[0] is not None:
+            rows["triton W8A16"] = lambda x=x, q=q, s=s: triton_int8.int8_linear(x, q, s)
+        for name, call in rows.items():
+            print(f"int8 linear {args.rows}x{k} -> {n}, {name}: {timed_ms(call, args.device):.3f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-context", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=2048, help="int8 rows: the MLP width")
+    parser.add_argument("--rows", type=int, default=1, help="int8 rows: activation rows (decode batch)")
+    args = parser.parse_args()
+    tensors = case(args)
+    paths = {"reference (per-row loop)": reference.paged_attention, "portable (whole batch)": portable.paged_attention}
+    if args.device.startswith("cuda") and triton_paged.load()[0] is not None:
+        paths["triton (one launch)"] = triton_paged.paged_attention
+    scale = args.head_dim**-0.5
+    for name, fn in paths.items():
+        ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
+        print(f"paged attention, {name}: {ms:.3f} ms")
+    int8_rows(args)
+
+
+if __name__ == "__main__":
+    main()
