@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import PAD, assert_close, random_batch, run_threads, tiny_model
+from helpers import PAD, assert_close, random_batch, tiny_model
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, PagedCache, PagedConfig, SpeculativeConfig
@@ -257,18 +257,3 @@ def test_bucketed_compiled_step_is_exact_and_keeps_one_graph(attention, batched_
         assert patched.forward.steps == steps
     assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(patched.forward.step_code)) <= 2  # 1 and >1 rows
     assert (batched_calls[0] > 0) == (attention == "batched")
-
-
-def test_threads_share_a_batched_model(batched_calls):
-    plain = tiny_model("llama")
-    patched = hf_accel.patch_model(tiny_model("llama"), **PLAIN_PATH, paged=PagedConfig(attention="batched"))
-    batches = [random_batch(2, [3 + i, 11 - i], seed=i) for i in range(4)]
-    expected = [plain.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
-    got: dict[int, torch.Tensor] = {}
-
-    def job(k: int) -> None:
-        ids, mask = batches[k]
-        got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, paged=True, **NO_EOS)
-
-    run_threads([lambda k=k: job(k) for k in range(4)])
-    assert all(torch.equal(got[k], expected[k]) for k in range(4)) and batched_calls[0] > 0

@@ -94,21 +94,11 @@ class CompiledPagedDecode:
         tables: torch.Tensor,
         q_pos: torch.Tensor,
     ) -> torch.Tensor:
-        """One compiled step over rows someone else planned (:class:`hf_accel.Engine`'s decode steps:
-        :meth:`~hf_accel.PagedCache.rows_plan`): ``ids`` / ``position_ids`` / ``q_pos`` ``[B, 1]``, ``slots``
-        ``[B]``, ``tables`` ``[B, MB]``, on the model's device. Returns logits ``[B, 1, V]``."""
-        return self._run(cache, ids, position_ids, slots, tables, q_pos)
-
-    def _run(
-        self,
-        cache: PagedCache,
-        ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        slots: torch.Tensor,
-        tables: torch.Tensor,
-        q_pos: torch.Tensor,
-    ) -> torch.Tensor:
-        """Pad (static shapes) or mark dynamic dimensions, then run the compiled step; logits ``[B, W, V]``."""
+        """One compiled step over planned rows: ``ids`` ``[B, W]``, ``position_ids`` ``[1 or B, W]``, ``slots``
+        ``[B*W]``, ``tables`` ``[B, MB]``, ``q_pos`` ``[B, W]``, on the model's device (planned by
+        :meth:`~hf_accel.PagedCache.decode_plan` for ``generate``'s steps, or :meth:`~hf_accel.PagedCache.rows_plan`
+        for :class:`hf_accel.Engine`'s decode steps). Pads to buckets (static shapes) or marks the dimensions that
+        vary as dynamic, then runs the compiled step. Returns logits ``[B, W, V]``."""
         rows, width = ids.shape
         if self.static_shapes:
             ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
@@ -179,5 +169,5 @@ class CompiledPagedDecode:
         mask = kwargs.get("attention_mask")
         padding = mask[:, -width:] if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None  # [B, W]
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
-        logits = self._run(cache, ids, position_ids, slots, tables, q_pos)
+        logits = self.run_rows(cache, ids, position_ids, slots, tables, q_pos)
         return CausalLMOutputWithPast(logits=logits, cache=cache)
