@@ -28,13 +28,15 @@ for shape in shapes:
     for window, softcap in [(0, 0.0), (5, 0.0), (0, 20.0)]:
         args = _case(*shape)  # poisoned pools (NaN / inf in a block nobody owns), -1 and stale table entries
         expected = reference.paged_attention(*args, 0.3, window, softcap)
-        got = triton_paged.paged_attention(*args, 0.3, window, softcap)
-        assert_close(got, expected, atol=5e-6, rtol=1e-5, name=f"{shape} window={window} softcap={softcap}")
+        for splits in (None, 1, 2, 4):  # None: the launcher's choice (here, a split context: few programs)
+            got = triton_paged.paged_attention(*args, 0.3, window, softcap, splits=splits)
+            name = f"{shape} window={window} softcap={softcap} splits={splits}"
+            assert_close(got, expected, atol=5e-6, rtol=1e-5, name=name)
 # float16 only: the interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584, "not supported
 # yet"); tests/test_cuda.py checks bfloat16 on a GPU
 for dtype, atol in ((torch.float16, 2e-3),):
     args = _case(4, 8, 2, 2, 32, 16, dtype)
-    got = triton_paged.paged_attention(*args, 0.2, 0, 0.0)
+    got = triton_paged.paged_attention(*args, 0.2, 0, 0.0, splits=2)
     assert got.dtype == dtype
     assert_close(got, reference.paged_attention(*args, 0.2, 0, 0.0), atol=atol, rtol=0, name=str(dtype))
 from hf_accel.kernels import triton_int8

@@ -1,15 +1,19 @@
-"""Paged decode attention as one Triton kernel launch per layer for the whole batch (CUDA; the CPU runs it in
-Triton's interpreter, ``TRITON_INTERPRET=1``, which is how the tests hold it to the reference).
+"""Paged decode attention in Triton: one launch per layer for the whole batch, two when a small batch splits its
+contexts (CUDA; the CPU runs it in Triton's interpreter, ``TRITON_INTERPRET=1``, which is how the tests hold it to
+the reference).
 
-One program per (row, K/V head) walks the row's blocks through its block table, reading K/V straight from the pool
-(no gathered copy of the context), with an online softmax in float32. The walk has a compile-time bound, the table
-width rounded up to a power of two (a handful of kernel variants as contexts grow; a data-dependent bound cannot run
-in Triton's interpreter under NumPy 2): slots past a row's own tokens are masked, so they are never read. The
+One program per (row, K/V head, context split) walks its share of the row's blocks through the block table, reading
+K/V straight from the pool (no gathered copy of the context), with an online softmax in float32; a small batch (few
+rows x K/V heads) splits each row's context so the GPU has work for every SM, and a second small program merges the
+splits' softmaxes in a fixed order (flash-decoding). The walk has a compile-time bound, the table width rounded up to
+a power of two (a handful of kernel variants as contexts grow; a data-dependent bound cannot run in Triton's
+interpreter under NumPy 2): slots past a row's own tokens are masked, so they are never read. The
 program's query tile holds every query head of the group and every query of the chunk (``G * Q`` rows, padded to 16
 for ``tl.dot``), so grouped heads read each K/V block once and a speculative verification chunk costs one pass over
 the context. Arguments and result are :func:`hf_accel.kernels.reference.paged_attention`'s.
 
-Triton is imported on first use, never at import: :func:`load` returns the launcher, or why it cannot run.
+Triton is imported on first use, never at import (the programs live in :mod:`.triton_paged_jit`): :func:`load`
+returns the launcher, or why it cannot run.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ import torch
 __all__ = ["PORTABLE_WHY_NOT", "WHY", "load"]
 
 #: what :func:`hf_accel.kernels.ops.choose` says of this kernel, and of the portable implementation beside it
-WHY = "one Triton launch for the whole batch, reading the pool in place"
+WHY = "one Triton launch for the whole batch (two when short batches split contexts), reading the pool in place"
 PORTABLE_WHY_NOT = "gathers each row's context into a copy first"
+
+
+#: programs a launch aims for (about one per SM of an H100): fewer rows x K/V heads split each row's context
+TARGET_PROGRAMS = 128
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -33,87 +41,55 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 @functools.cache
-def _kernel() -> Any:
-    import triton
-    import triton.language as tl
+def _programs() -> Any:
+    from . import triton_paged_jit  # imports Triton
 
-    @triton.jit
-    def paged_decode(
-        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, len_ptr, out_ptr, width, scale, window, softcap,
-        sq_b, sq_h, sq_q, sq_d, sk_n, sk_s, sk_h, sk_d, sv_n, sv_s, sv_h, sv_d, st_b, sp_b, so_b, so_q, so_h, so_d,
-        GROUPS: tl.constexpr, QLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, M: tl.constexpr,
-        DP: tl.constexpr, BP: tl.constexpr, TABLE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-    ):  # fmt: skip
-        b, kvh = tl.program_id(0), tl.program_id(1)
-        r = tl.arange(0, M)  # tile row r: query head kvh * GROUPS + r // QLEN, chunk query r % QLEN
-        row_ok = r < GROUPS * QLEN
-        head, qi = kvh * GROUPS + r // QLEN, r % QLEN
-        d = tl.arange(0, DP)
-        d_ok = d < HEAD_DIM
-        pos = tl.load(pos_ptr + b * sp_b + qi, mask=row_ok, other=-1)  # [M]
-        q_off = b * sq_b + head[:, None] * sq_h + qi[:, None] * sq_q + d[None, :] * sq_d
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, DP]
-        stored = tl.load(len_ptr + b)  # tokens of this row in the pool (0: a released row)
-        m_i = tl.full([M], -1.0e30, tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, DP], tl.float32)
-        s_idx = tl.arange(0, BP)
-        for j in range(0, TABLE):  # a fixed bound (the table width's bucket): blocks past the row's are all masked
-            block = tl.load(table_ptr + b * st_b + j, mask=j < width, other=0).to(tl.int64)
-            t = j * BLOCK + s_idx
-            t_ok = (s_idx < BLOCK) & (t < stored)  # never-written slots are not even read
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + block * sk_n + s_idx[:, None] * sk_s + kvh * sk_h + d[None, :] * sk_d,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            if IEEE:  # noqa: SIM108 (Triton: a branch on a compile-time flag)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, BP]
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            if HAS_SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-            visible = (t[None, :] <= pos[:, None]) & t_ok[None, :]
-            if HAS_WINDOW:
-                visible = visible & (t[None, :] > pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + block * sv_n + s_idx[:, None] * sv_s + kvh * sv_h + d[None, :] * sv_d,
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # padding queries: zeros
-        o_off = b * so_b + qi[:, None] * so_q + head[:, None] * so_h + d[None, :] * so_d
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    return triton_paged_jit
 
-    return paged_decode
+
+def _splits(rows: int, kv_heads: int, table: int) -> int:
+    """Context splits (a power of two dividing the table's bucket, at least 2 blocks each) so that a small batch
+    still runs about :data:`TARGET_PROGRAMS` programs; 1 when ``rows * kv_heads`` programs are enough."""
+    want = -(TARGET_PROGRAMS // -(rows * kv_heads))
+    splits = 1
+    while splits * 2 <= want and table // (splits * 2) >= 2:
+        splits *= 2
+    return splits
 
 
 def paged_attention(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Query ``[B, H_q, Q, D]`` over pools ``[NB, BS, H_kv, D]`` through ``block_tables`` ``[B, MB]`` at ``q_pos``
-    ``[B, Q]`` (-1: padding, zeros out) -> ``[B, Q, H_q, D]``: one launch, a ``(B, H_kv)`` grid."""
+    ``[B, Q]`` (-1: padding, zeros out) -> ``[B, Q, H_q, D]``: a ``(B, H_kv, splits)`` grid, plus a merge of the
+    splits when there are several (``splits``: ``None`` picks, :func:`_splits`)."""
     batch, heads, q_len, dim = query.shape
     block, kv_heads = k_pool.shape[1], k_pool.shape[2]
     groups = heads // kv_heads
     out = torch.empty(batch, q_len, heads, dim, dtype=query.dtype, device=query.device)
     tables, pos = block_tables.to(torch.int32).contiguous(), q_pos.to(torch.int32).contiguous()
     stored = (pos.amax(dim=1) + 1).to(torch.int32)  # [B] tokens each row holds (on the device: no sync)
-    _kernel()[(batch, kv_heads)](
-        query, k_pool, v_pool, tables, pos, stored, out, tables.shape[1], float(scale), int(window),
-        float(softcap or 1.0),
+    table = _pow2(tables.shape[1], least=1)  # the walk's bound: a few kernel variants as contexts grow
+    splits = splits or _splits(batch, kv_heads, table)
+    m, dp = _pow2(groups * q_len), _pow2(dim)
+    shape = dict(GROUPS=groups, QLEN=q_len, HEAD_DIM=dim, M=m, DP=dp)
+    programs = _programs()
+    partial = out
+    maxes = sums = out  # unused with one split
+    if splits > 1:
+        maxes = torch.empty(batch, kv_heads, splits, m, dtype=torch.float32, device=query.device)
+        sums = torch.empty_like(maxes)
+        partial = torch.empty(batch, kv_heads, splits, m, dp, dtype=torch.float32, device=query.device)
+    programs.paged_decode[(batch, kv_heads, splits)](
+        query, k_pool, v_pool, tables, pos, stored, partial, maxes, sums, tables.shape[1], float(scale),
+        int(window), float(softcap or 1.0),
         *query.stride(), *k_pool.stride(), *v_pool.stride(), tables.stride(0), pos.stride(0), *out.stride(),
-        GROUPS=groups, QLEN=q_len, HEAD_DIM=dim, BLOCK=block, M=_pow2(groups * q_len), DP=_pow2(dim),
-        BP=_pow2(block), TABLE=_pow2(tables.shape[1], least=1), HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
-        IEEE=query.dtype == torch.float32,
+        BLOCK=block, BP=_pow2(block), PER=table // splits, SPLITS=splits, HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=softcap > 0, IEEE=query.dtype == torch.float32, **shape,
     )  # fmt: skip
+    if splits > 1:
+        programs.combine_splits[(batch, kv_heads)](maxes, sums, partial, out, *out.stride(), SPLITS=splits, **shape)
     return out
 
 
