@@ -236,6 +236,7 @@ def test_engine_with_batched_attention(batched_calls):
     ids = [engine.add_request(p, max_new_tokens=10, eos_token_id=None) for p in prompts]
     outputs = engine.run_until_done()
     assert [outputs[i].tokens for i in ids] == refs and batched_calls[0] > 0
+    assert batched_calls[1] > 0  # prompt chunks that start their sequences: one call per layer and step
 
 
 @pytest.mark.parametrize("attention", ["auto", "batched"])

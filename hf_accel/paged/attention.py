@@ -348,8 +348,9 @@ def attend_packed(
     """Attention of a packed chunk (``query`` ``[1, H_q, N, D]``: several sequences' tokens back to back).
 
     Rows feeding few tokens (decode, verification) go through the native kernel together, padded to the longest
-    of them (only inside attention: the rest of the model ran on the ``N`` real tokens); prompt chunks attend one
-    by one over their own slice (a fresh prompt) or their context gathered from the pool. Returns
+    of them (only inside attention: the rest of the model ran on the ``N`` real tokens); on an accelerator path the
+    prompt chunks that start their sequences attend together in one call over their own K/V; other prompt chunks
+    attend one by one over their own slice (a fresh prompt) or their context gathered from the pool. Returns
     ``[1, N, H_q, D]``.
     """
     packed = step.packed
@@ -365,6 +366,10 @@ def attend_packed(
             out.index_copy_(0, t["real_at"], o.to(out.dtype))
             done = set(packed.short)
             rest = [r for r in rest if r not in done]
+    fresh = tuple(r for r in rest if step.fresh[r])
+    if fresh and step_attention(layer.attention) in ("portable", "triton"):  # prompts from 0: one call for all
+        _attend_fresh(packed.rows_tensors(query.device, fresh), query, key, value, out, scale, window, softcap)
+        rest = [r for r in rest if not step.fresh[r]]
     for row in rest:
         start, n = packed.offsets[row], packed.lengths[row]
         chunk = slice(start, start + n)
@@ -383,6 +388,26 @@ def attend_packed(
         )  # [H_q, n, D]
         out[chunk] = o.transpose(0, 1).to(out.dtype)
     return out[None]
+
+
+def _attend_fresh(
+    t: dict[str, torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> None:
+    """Packed prompt chunks that start their sequences, padded into one batch (``t``: :meth:`PackedRows.rows_tensors`)
+    and attended in one call over their own K/V; results scattered into ``out`` ``[N, H_q, D]``."""
+    q = query[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_q, W, D]
+    k = key[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_kv, W, D]
+    v = value[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)
+    o = portable.chunk_attention(q, k, v, t["q_pos"], scale, window, softcap)  # [R, W, H_q, D]
+    o = o.reshape(-1, *o.shape[2:]).index_select(0, t["real_flat"])  # [T, H_q, D]: the real tokens
+    out.index_copy_(0, t["real_at"], o.to(out.dtype))
 
 
 def gather_attention(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ class PackedRows:
     short_real: torch.Tensor
     short_q_pos: torch.Tensor
     short_tables: torch.Tensor
-    on_device: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict, compare=False)
+    on_device: dict[Any, dict[str, torch.Tensor]] = field(default_factory=dict, compare=False)
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The short rows' tensors on ``device``, moved once per device: ``index``, ``tables``, ``q_pos``, and
@@ -69,6 +70,27 @@ class PackedRows:
                 "real_at": self.short_index.flatten()[real_flat].to(device),
             }
         return self.on_device[device]
+
+    def rows_tensors(self, device: torch.device, rows: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` (prompt chunks from position 0) padded to the longest, moved once per device and set:
+        ``index`` ``[R, W]`` (chunk position of each row's ``j``-th token, 0 for padding), ``q_pos`` ``[R, W]``
+        (``j``, -1 for padding), ``real_flat`` / ``real_at`` as in :meth:`tensors`."""
+        key = (device, rows)
+        cached = self.on_device.get(key)
+        if cached is None:
+            lengths = torch.tensor([self.lengths[r] for r in rows])[:, None]  # [R, 1]
+            arange = torch.arange(int(lengths.max()))[None, :]  # [1, W]
+            real = arange < lengths  # [R, W]
+            index = torch.where(real, torch.tensor([self.offsets[r] for r in rows])[:, None] + arange, 0)
+            real_flat = real.flatten().nonzero().flatten()  # host tensors: no device sync
+            cached = {
+                "index": index.to(device),
+                "q_pos": torch.where(real, arange, -1).to(torch.int32).to(device),
+                "real_flat": real_flat.to(device),
+                "real_at": index.flatten()[real_flat].to(device),
+            }
+            self.on_device[key] = cached
+        return cached
 
 
 def _packed_rows(lengths: list[int], q_pos: torch.Tensor, tables: torch.Tensor, short_max: int) -> PackedRows:
