@@ -87,10 +87,10 @@ class PagedConfig:
         max_memory: bytes the pool may reserve: an int or a string such as ``"1GiB"`` (:func:`parse_bytes`; stored
             as an int); ``None`` picks a budget from free memory.
         prefix_cache: keep full prompt blocks across ``generate`` calls and reuse matching prefixes.
-        attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds, the batched portable
-            implementation on accelerators, else ``"gather"``), ``"kernel"`` (error when neither applies),
-            ``"batched"`` (the accelerators' implementation, on any device) or ``"gather"`` (gather each row's
-            context, then SDPA, row by row).
+        attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds; on CUDA the Triton kernel,
+            or without Triton, like other accelerators, the batched portable implementation; else ``"gather"``),
+            ``"kernel"`` (error when none of these applies), ``"batched"`` (the portable implementation, on any
+            device) or ``"gather"`` (gather each row's context, then SDPA, row by row).
     """
 
     block_size: int = 16

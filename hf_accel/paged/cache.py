@@ -52,9 +52,10 @@ class PagedCache(Cache, RowRollback):
             ``stats()["sizing"]`` and the repr say what is reserved and why.
         prefix_cache: publish full blocks of finished prompts/sequences and reuse them for later prompts that
             start with the same tokens (across ``generate`` calls that pass this cache).
-        attention: ``"auto"`` (native kernel on CPU when available, the batched portable implementation on
-            accelerators, else gather), ``"kernel"``, ``"batched"`` or ``"gather"`` for the decode path (the
-            prefill path always attends densely per row).
+        attention: ``"auto"`` (native kernel on CPU when available, the Triton kernel on CUDA, the batched portable
+            implementation on other accelerators or without Triton, else gather), ``"kernel"``, ``"batched"`` or
+            ``"gather"`` for the decode path (prefill attends densely: per row, or on an accelerator path one call
+            for a batch of fresh prompts).
 
     Raises:
         IncompatibleOptionsError: a bad size, or a pool too small for a single block.
