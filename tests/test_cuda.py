@@ -75,6 +75,19 @@ def test_int8_matches_its_dequantized_weights(device):
     assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS), expected)
 
 
+def test_int8_compiled_step_matches_eager_int8(device):
+    """The int8 linears inside the compiled (on CUDA: graph-captured) step give the eager int8 model's tokens."""
+    torch._dynamo.reset()
+    int8 = Int8Config(backend="native")
+    eager = hf_accel.patch_model(tiny_model("llama"), int8=int8, **PLAIN_PATH).to(device)
+    compiled = hf_accel.patch_model(tiny_model("llama"), int8=int8, **dict(PLAIN_PATH, compile=_compile_config(device)),
+                                    paged=_paged(device, block_size=4)).to(device)  # fmt: skip
+    ids, mask = _batch(device, seed=3)
+    expected = eager.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
+    got = compiled.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, paged=True, **NO_EOS)
+    assert torch.equal(got, expected) and compiled.forward.steps == 9
+
+
 def _compile_config(device: torch.device) -> CompileConfig:
     """Inductor with CUDA graphs on CUDA; on the CPU the same bucketed shapes, traced only (quick)."""
     return CompileConfig(prepack=False) if device.type == "cuda" else CompileConfig(backend="eager", cuda_graphs=True)

@@ -258,3 +258,16 @@ def test_bucketed_compiled_step_is_exact_and_keeps_one_graph(attention, batched_
         assert patched.forward.steps == steps
     assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(patched.forward.step_code)) <= 2  # 1 and >1 rows
     assert (batched_calls[0] > 0) == (attention == "batched")
+
+
+def test_compiled_step_is_chosen_per_device_type():
+    """A model patched on the CPU and moved to CUDA gets the CUDA step (buckets, CUDA graphs): one variant per device
+    type, each with its own code object, built on first use."""
+    patched = hf_accel.patch_model(tiny_model("llama"), compile=CompileConfig(prepack=False))
+    step = patched.forward
+    cpu, cuda = step.variant("cpu"), step.variant("cuda")  # compiling is lazy: nothing runs on CUDA here
+    assert not cpu.static_shapes and not cpu.graphs and not step.static_shapes
+    assert cuda.static_shapes and cuda.graphs and cuda.code is not cpu.code
+    assert step.variant("cuda") is cuda and step.step_code is cpu.code
+    no_graphs = hf_accel.patch_model(tiny_model("llama"), compile=CompileConfig(prepack=False, cuda_graphs=False))
+    assert not no_graphs.forward.variant("cuda").static_shapes

@@ -184,15 +184,14 @@ def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Rec
         recorder.note(FEATURE, "paged decode step not compiled (the model is dispatched over devices or sharded)")
         return
     define_paged_op()
-    device = devices.pop()
-    static = config.step_graphs(device.type)
-    kwargs = config.compile_kwargs(graphs=static and device.type == "cuda")
-    step = CompiledPagedDecode(model, kwargs, static_shapes=static)
+    step = CompiledPagedDecode(model, config)
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)
-    if static:
-        graphs = "captured in CUDA graphs" if step.graphs else "no CUDA graphs here"
-        recorder.note(FEATURE, f"paged decode step padded to bucketed shapes ({graphs}, mode {kwargs.get('mode')})")
+    variant = step.variant(devices.pop().type)  # the device it is on now; another device gets its own step
+    if variant.static_shapes:
+        graphs = "captured in CUDA graphs" if variant.graphs else "no CUDA graphs here"
+        recorder.note(FEATURE, f"paged decode step padded to bucketed shapes ({graphs}, mode "
+                               f"{config.compile_kwargs(graphs=variant.graphs).get('mode')})")  # fmt: skip
 
 
 def plain_compile(copy: nn.Module) -> None:

@@ -22,12 +22,14 @@ cover run the original, eager forward.
 from __future__ import annotations
 
 import functools
+import threading
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from ..core.config import CompileConfig
 from ..paged.attention import DECODE_MAX_QUERY, PLAN_KWARG, step_attention
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
@@ -49,31 +51,49 @@ class CompiledPagedDecode:
 
     Args:
         model: the patched model (paged attention already switched on).
-        compile_kwargs: arguments for ``torch.compile``.
+        config: the compile options (:meth:`~hf_accel.CompileConfig.compile_kwargs`,
+            :meth:`~hf_accel.CompileConfig.step_graphs`).
 
     A call runs compiled when it feeds ``[B, 1]`` ``input_ids`` (a decode step), or ``[B, W]`` with
     ``W <= DECODE_MAX_QUERY`` and every position's logits (a speculative verification chunk), with a
     :class:`PagedCache` (not pinned by the engine) and only the keyword arguments ``generate`` uses for a decode
-    step; everything else (prompts, long chunks, other options) goes to the original ``forward`` unchanged.
+    step; everything else (prompts, long chunks, other options) goes to the original ``forward`` unchanged. The
+    step is compiled per device type the model runs on (a model patched on the CPU and moved to CUDA gets the CUDA
+    step: bucketed shapes and CUDA graphs).
     """
 
-    def __init__(self, model: nn.Module, compile_kwargs: dict[str, Any], static_shapes: bool = False) -> None:
+    def __init__(self, model: nn.Module, config: CompileConfig) -> None:
         self.model = model
-        #: pad every step to bucketed shapes (:mod:`.buckets`), as CUDA graphs need; on CUDA the pools' addresses are
-        #: then marked static (graphs may write them) and results are copied out of the graphs' buffers
-        self.static_shapes = static_shapes
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        self.graphs = static_shapes and on_cuda and compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+        self.config = config
         self.original = types.MethodType(type(model).forward, model)
-        # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
-        # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
-        # with fullgraph). Each instance therefore compiles its own copy of the code.
-        fn = CompiledPagedDecode._step
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        self.step_code = own.__code__  # the code object whose graphs belong to this model (tests count them)
-        self.compiled = torch.compile(types.MethodType(own, self), **compile_kwargs)
+        self._variants: dict[str, _Variant] = {}
+        self._lock = threading.Lock()
         self.steps = 0  # compiled steps run (for tests and reports)
         functools.update_wrapper(self, self.original)  # generate inspects forward's signature
+
+    def variant(self, device_type: str | None = None) -> _Variant:
+        """The compiled step for a device type (the model's current one by default), built on first use."""
+        device_type = device_type or next(self.model.parameters()).device.type
+        with self._lock:
+            found = self._variants.get(device_type)
+            if found is None:
+                found = self._variants[device_type] = _Variant.build(self, device_type)
+        return found
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether steps are padded to bucketed shapes (:mod:`.buckets`) on the model's current device."""
+        return self.variant().static_shapes
+
+    @property
+    def graphs(self) -> bool:
+        """Whether the model's current device captures the step in CUDA graphs."""
+        return self.variant().graphs
+
+    @property
+    def step_code(self) -> types.CodeType:
+        """The code object whose graphs are this model's on its current device (tests count them)."""
+        return self.variant().code
 
     def __deepcopy__(self, memo: dict[int, object]) -> Any:
         copied = memo.get(id(self.model))  # a deep copy of the model gets its class's plain forward
@@ -100,9 +120,11 @@ class CompiledPagedDecode:
         for :class:`hf_accel.Engine`'s decode steps). Pads to buckets (static shapes) or marks the dimensions that
         vary as dynamic, then runs the compiled step. Returns logits ``[B, W, V]``."""
         rows, width = ids.shape
-        if self.static_shapes:
+        variant = self.variant(ids.device.type)
+        if variant.static_shapes:
             ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
-            self._mark_static(cache)
+            if variant.graphs:
+                self._mark_static(cache)
         elif tables.shape[1] < 2:  # a width of 1 would be specialised by the compiler (a second graph)
             tables = torch.nn.functional.pad(tables, (0, 1))
         torch._dynamo.maybe_mark_dynamic(tables, 1)  # the table grows with the context: one graph for all widths
@@ -122,17 +144,15 @@ class CompiledPagedDecode:
         plan = DecodePlan(
             slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), attention
         )  # fmt: skip
-        logits = self.compiled(ids, position_ids, plan)
-        if self.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
-            logits = logits[:rows].clone() if self.graphs else logits[:rows]
+        logits = variant.compiled(ids, position_ids, plan)
+        if variant.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
+            logits = logits[:rows].clone() if variant.graphs else logits[:rows]
         self.steps += 1
         return logits
 
     def _mark_static(self, cache: PagedCache) -> None:
         """Tell the compiler the pools keep their addresses (CUDA graphs write them in place; a pool that moves, a
         grown one or another cache's, makes the graphs re-record, never recompile)."""
-        if not self.graphs:
-            return
         for layer in cache.layers:
             torch._dynamo.mark_static_address(layer.keys, guard=False)
             torch._dynamo.mark_static_address(layer.values, guard=False)
@@ -171,3 +191,24 @@ class CompiledPagedDecode:
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
         logits = self.run_rows(cache, ids, position_ids, slots, tables, q_pos)
         return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+class _Variant(NamedTuple):
+    """One device type's compiled step: its function, its own code object, and how it runs."""
+
+    compiled: Any
+    code: types.CodeType
+    static_shapes: bool
+    graphs: bool
+
+    @staticmethod
+    def build(step: CompiledPagedDecode, device_type: str) -> _Variant:
+        # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
+        # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
+        # with fullgraph). Each instance (and device type) therefore compiles its own copy of the code.
+        fn = CompiledPagedDecode._step
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        static = step.config.step_graphs(device_type)
+        kwargs = step.config.compile_kwargs(graphs=static and device_type == "cuda")
+        graphs = static and device_type == "cuda" and kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+        return _Variant(torch.compile(types.MethodType(own, step), **kwargs), own.__code__, static, graphs)

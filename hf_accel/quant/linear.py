@@ -173,8 +173,10 @@ class Int8Linear(nn.Module):
         path = self.kernel_path(x)
         if path == "portable":  # [.., K] on an accelerator
             flat = x.reshape(-1, self.in_features)
-            if self._device_op:  # the Triton kernel: opaque to the compiler, the same function eagerly
+            if self._device_op and torch.compiler.is_compiling():  # the Triton kernel, opaque to the compiler
                 y = getattr(torch.ops.hf_accel, self._device_op)(flat, self.qweight, self.scale)  # [M, N]
+            elif self._device_op:  # eagerly: the same launcher, without the dispatcher's per-call cost
+                y = self.choice.fn(flat, self.qweight, self.scale)
             elif torch.compiler.is_compiling():
                 y = portable.int8_linear_compiled(flat, self.qweight, self.scale)  # fused by Inductor
             else:
