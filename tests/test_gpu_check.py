@@ -17,6 +17,7 @@ def test_check_script_runs_its_cpu_side(tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())["results"]["tiny"]
+    assert [row for row in results if "error" in row] == []  # a failing path is a row with its error, not a crash
     paths = {(row["path"], row["batch"]) for row in results}
     for name in ("plain generate", "Transformers static + compile", "hf_accel paged", "hf_accel paged + compiled step",
                  "hf_accel int8 + compiled step"):  # fmt: skip

@@ -22,6 +22,7 @@ import json
 import random
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -90,9 +91,22 @@ def host_syncs(call: Callable[[], Any], device: str) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def guarded(name: str, batch: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()``, or a row that names the exception: one failing path must not lose the others' figures."""
+    try:
+        return measure()
+    except Exception as err:
+        traceback.print_exc()
+        return {"path": name, "batch": batch, "error": f"{type(err).__name__}: {err}"[:300]}
+
+
 def generate_row(name: str, call: Callable[[int], Any], rows: int, new: int, device: str) -> dict[str, Any]:
     """Warm up (compiles, graph captures), then time 1 and ``new`` tokens: TTFT and decode tok/s; then count the
-    host syncs of one more call, per new token."""
+    host syncs of one more call, per new token. A failure is a row with its error."""
+    return guarded(name, rows, lambda: _generate_row(name, call, rows, new, device))
+
+
+def _generate_row(name: str, call: Callable[[int], Any], rows: int, new: int, device: str) -> dict[str, Any]:
     call(new)
     peak_reset(device)
     ttft, _ = timed(lambda: call(1), device)
@@ -152,7 +166,12 @@ def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device:
         if out_of_time(args):
             rows.append({"path": name, "batch": 1, "skipped": "time budget"})
             continue
-        hf_accel.patch_model(model, **patch)
+        try:
+            hf_accel.patch_model(model, **patch)
+        except Exception as err:
+            traceback.print_exc()
+            rows.append({"path": name, "batch": 1, "error": f"patch_model: {type(err).__name__}: {err}"[:300]})
+            continue
         if dequantize:  # measurement only: every Int8Linear without its Triton op (the portable forms)
             for module in model.modules():
                 if isinstance(module, Int8Linear):
@@ -161,7 +180,7 @@ def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device:
             rows.append(generate_row(name, gen(paged=True), 1, new, device))
             rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]
             if "compiled step" in name and not dequantize:
-                rows.append(verification_costs(model, ids, device, name))
+                rows.append(guarded(name, 1, lambda name=name: verification_costs(model, ids, device, name)))
         finally:
             hf_accel.unpatch_model(model)
     return rows
@@ -212,7 +231,7 @@ def batch32(model: Any, device: str, new: int, args: argparse.Namespace) -> list
                 device,
             )
         )
-        rows.append(engine_row(model, prompts, new, device))
+        rows.append(guarded("hf_accel Engine", len(prompts), lambda: engine_row(model, prompts, new, device)))
     finally:
         hf_accel.unpatch_model(model)
     return rows
@@ -260,9 +279,9 @@ def ratios(rows: list[dict[str, Any]]) -> None:
         if base is None or row is base:
             continue
         key = "decode_tok_s" if "decode_tok_s" in row else "throughput_tok_s"
-        if row.get(key):
+        if row.get(key) and base.get(key):  # a failed or skipped row has neither
             row["vs_plain"] = row[key] / base[key]
-        if row.get("tokens") is not None:
+        if row.get("tokens") is not None and base.get("tokens") is not None:
             row["same_tokens"] = bool(torch.equal(row["tokens"], base["tokens"]))
     for row in rows:
         row.pop("tokens", None)
@@ -271,7 +290,7 @@ def ratios(rows: list[dict[str, Any]]) -> None:
 def table(results: dict[str, list[dict[str, Any]]], header: str) -> str:
     cols = ["path", "batch", "decode_tok_s", "throughput_tok_s", "vs_plain", "ttft_s", "peak_gib", "same_tokens",
             "syncs_per_token",
-            "step_ms", "verify_ms", "kv_utilisation_mean", "kv_utilisation_min", "skipped"]  # fmt: skip
+            "step_ms", "verify_ms", "kv_utilisation_mean", "kv_utilisation_min", "skipped", "error"]  # fmt: skip
     lines = [header, ""]
     for shape, rows in results.items():
         lines += [f"### {shape}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -280,6 +299,21 @@ def table(results: dict[str, list[dict[str, Any]]], header: str) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def measure_shape(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every path of one model shape (a failure to build the model is the shape's one row)."""
+    try:
+        model = build(shape, args.device, getattr(torch, args.dtype))
+    except Exception as err:
+        traceback.print_exc()
+        return [{"path": "build the model", "batch": 0, "error": f"{type(err).__name__}: {err}"[:300]}]
+    args.big = shape == "8b"  # the 8B shape: batch 1 and the int8 comparison only
+    rows = batch1(model, args.device, args.new_tokens, args)
+    if not args.big and not out_of_time(args):
+        rows += batch32(model, args.device, args.new_tokens, args)
+    ratios(rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,14 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"## {name}: torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens, prompt {PROMPT}"
     results: dict[str, list[dict[str, Any]]] = {}
     for shape in args.shapes.split(","):
-        model = build(shape, args.device, getattr(torch, args.dtype))
-        args.big = shape == "8b"  # the 8B shape: batch 1 and the int8 comparison only
-        rows = batch1(model, args.device, args.new_tokens, args)
-        if not args.big and not out_of_time(args):
-            rows += batch32(model, args.device, args.new_tokens, args)
-        ratios(rows)
-        results[shape] = rows
-        del model
+        results[shape] = measure_shape(shape, args)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         (args.out / "results.json").write_text(json.dumps({"device": name, "results": results}, indent=1, default=str))

@@ -33,7 +33,15 @@ def case(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(args.device) for t in (query, pools[0], pools[1], tables, q_pos))
 
 
-def timed_ms(call, device: str) -> float:
+def timed_ms(call, device: str) -> float | str:
+    """Median milliseconds of ``call`` (its error, as text, when it fails: the other rows still run)."""
+    try:
+        return _timed_ms(call, device)
+    except Exception as err:
+        return f"failed: {type(err).__name__}: {err}"[:200]
+
+
+def _timed_ms(call, device: str) -> float:
     call()
     times = []
     for _ in range(20):
@@ -61,7 +69,11 @@ def int8_rows(args: argparse.Namespace) -> None:
         if cuda and triton_int8.load()[0] is not None:
             rows["triton W8A16"] = lambda x=x, q=q, s=s: triton_int8.int8_linear(x, q, s)
         for name, call in rows.items():
-            print(f"int8 linear {args.rows}x{k} -> {n}, {name}: {timed_ms(call, args.device):.3f} ms")
+            print(f"int8 linear {args.rows}x{k} -> {n}, {name}: {_ms(timed_ms(call, args.device))}")
+
+
+def _ms(value: float | str) -> str:
+    return f"{value:.3f} ms" if isinstance(value, float) else value
 
 
 def main() -> None:
@@ -84,7 +96,7 @@ def main() -> None:
     scale = args.head_dim**-0.5
     for name, fn in paths.items():
         ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
-        print(f"paged attention, {name}: {ms:.3f} ms")
+        print(f"paged attention, {name}: {_ms(ms)}")
     int8_rows(args)
 
 
