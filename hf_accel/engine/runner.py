@@ -58,7 +58,13 @@ def packed_forward(
             )
     finally:
         cache.unpin()
-    logits = out.logits[0].float()  # [K, V]
+    return _by_request(out.logits[0], works)
+
+
+def _by_request(logits: torch.Tensor, works: list[Work]) -> dict[int, tuple[torch.Tensor, list[int]]]:
+    """Split the kept rows ``[K, V]`` (each sampling request's ``1 + drafts``, in order) by request id, with their
+    argmax read back once for the whole step."""
+    logits = logits.float()
     picks = logits.argmax(-1).tolist()  # [K]: the step's one read of the device
     result, at = {}, 0
     for w in works:
@@ -80,9 +86,7 @@ def _compiled_decode(
     with torch.no_grad():
         logits = step.run_rows(cache, torch.tensor(fed, device=device)[:, None], q_pos.to(torch.long), slots,
                                tables, q_pos)  # fmt: skip
-    logits = logits[:, 0].float()  # [B, V]
-    picks = logits.argmax(-1).tolist()  # the step's one read of the device
-    return {w.state.rid: (logits[i : i + 1], picks[i : i + 1]) for i, w in enumerate(works)}
+    return _by_request(logits[:, 0], works)  # [B, V]: one row per request (every one samples, none drafts)
 
 
 def _scores(tracked: Tracked, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -267,6 +267,11 @@ def step_attention(choice: Choice) -> str:
     return "native" if choice.impl.startswith("cpu/") else "reference"
 
 
+def _accelerator_path(layer: PagedLayer) -> bool:
+    """Whether the layer's decode attention is an accelerator's (Triton or portable): prefill then batches too."""
+    return step_attention(layer.attention) in ("portable", "triton")
+
+
 def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """Whether decode-sized chunks over such a pool run the native kernel (:func:`attention_choice`)."""
     return attention_choice(mode, device, dtype, block_size, head_dim).native
@@ -296,7 +301,7 @@ def attend(
     if _use_kernel(layer, query):
         t = step.tensors(layer.device)
         return _kernel_attention(layer, query, t["block_tables"], t["q_pos"], scale, window, softcap)
-    if all(step.fresh) and step_attention(layer.attention) in ("portable", "triton"):
+    if all(step.fresh) and _accelerator_path(layer):
         # fresh prompts on an accelerator path: one call for the batch, over the chunk's own K/V (nothing is read back)
         q_pos = step.tensors(layer.device)["q_pos"]
         return portable.chunk_attention(query, key, value, q_pos, scale, window, softcap)
@@ -362,12 +367,11 @@ def attend_packed(
         q = q_all[t["index"]].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
         if _use_kernel(layer, q):
             o = _kernel_attention(layer, q, t["tables"], t["q_pos"], scale, window, softcap)  # [Rs, Qs, H_q, D]
-            o = o.reshape(-1, *o.shape[2:]).index_select(0, t["real_flat"])  # [T, H_q, D]: the real tokens
-            out.index_copy_(0, t["real_at"], o.to(out.dtype))
+            _scatter_real(out, o, t)
             done = set(packed.short)
             rest = [r for r in rest if r not in done]
     fresh = tuple(r for r in rest if step.fresh[r])
-    if fresh and step_attention(layer.attention) in ("portable", "triton"):  # prompts from 0: one call for all
+    if fresh and _accelerator_path(layer):  # prompts from position 0: one call for all of them
         _attend_fresh(packed.rows_tensors(query.device, fresh), query, key, value, out, scale, window, softcap)
         rest = [r for r in rest if not step.fresh[r]]
     for row in rest:
@@ -405,8 +409,13 @@ def _attend_fresh(
     q = query[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_q, W, D]
     k = key[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_kv, W, D]
     v = value[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)
-    o = portable.chunk_attention(q, k, v, t["q_pos"], scale, window, softcap)  # [R, W, H_q, D]
-    o = o.reshape(-1, *o.shape[2:]).index_select(0, t["real_flat"])  # [T, H_q, D]: the real tokens
+    _scatter_real(out, portable.chunk_attention(q, k, v, t["q_pos"], scale, window, softcap), t)
+
+
+def _scatter_real(out: torch.Tensor, o: torch.Tensor, t: dict[str, torch.Tensor]) -> None:
+    """Put the real tokens of padded rows ``o`` ``[R, W, H_q, D]`` at their chunk positions in ``out`` ``[N, H_q, D]``
+    (``t``: :meth:`PackedRows.tensors` / :meth:`PackedRows.rows_tensors`' ``real_flat`` and ``real_at``)."""
+    o = o.reshape(-1, *o.shape[2:]).index_select(0, t["real_flat"])  # [T, H_q, D]
     out.index_copy_(0, t["real_at"], o.to(out.dtype))
 
 

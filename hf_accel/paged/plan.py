@@ -61,14 +61,9 @@ class PackedRows:
         ``real_flat`` (``[T]`` flat positions of ``[Rs, Qs]`` that are tokens) with ``real_at`` (``[T]`` their
         positions in the chunk), so results are scattered back without a boolean index on the device."""
         if device not in self.on_device:
-            real_flat = self.short_real.flatten().nonzero().flatten()  # host tensors: no device sync
-            self.on_device[device] = {
-                "index": self.short_index.to(device),
-                "tables": self.short_tables.to(device),
-                "q_pos": self.short_q_pos.to(device),
-                "real_flat": real_flat.to(device),
-                "real_at": self.short_index.flatten()[real_flat].to(device),
-            }
+            moved = _scatter_indices(self.short_index, self.short_real, device)
+            moved.update(tables=self.short_tables.to(device), q_pos=self.short_q_pos.to(device))
+            self.on_device[device] = moved
         return self.on_device[device]
 
     def rows_tensors(self, device: torch.device, rows: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -78,19 +73,30 @@ class PackedRows:
         key = (device, rows)
         cached = self.on_device.get(key)
         if cached is None:
-            lengths = torch.tensor([self.lengths[r] for r in rows])[:, None]  # [R, 1]
-            arange = torch.arange(int(lengths.max()))[None, :]  # [1, W]
-            real = arange < lengths  # [R, W]
-            index = torch.where(real, torch.tensor([self.offsets[r] for r in rows])[:, None] + arange, 0)
-            real_flat = real.flatten().nonzero().flatten()  # host tensors: no device sync
-            cached = {
-                "index": index.to(device),
-                "q_pos": torch.where(real, arange, -1).to(torch.int32).to(device),
-                "real_flat": real_flat.to(device),
-                "real_at": index.flatten()[real_flat].to(device),
-            }
+            index, real = _padded_index([self.lengths[r] for r in rows], [self.offsets[r] for r in rows])
+            cached = _scatter_indices(index, real, device)
+            cached["q_pos"] = torch.where(real, torch.arange(index.shape[1]), -1).to(torch.int32).to(device)
             self.on_device[key] = cached
         return cached
+
+
+def _padded_index(lengths: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``lengths[i]`` tokens starting at chunk position ``starts[i]``, padded to the longest (at least 1):
+    ``index`` ``[R, W]`` int64 (chunk position of each row's ``j``-th token, 0 for padding) and ``real`` ``[R, W]``."""
+    arange = torch.arange(max(lengths, default=1))[None, :]  # [1, W]
+    real = arange < torch.tensor(lengths, dtype=torch.long).reshape(-1, 1)  # [R, W]
+    return torch.where(real, torch.tensor(starts, dtype=torch.long).reshape(-1, 1) + arange, 0), real
+
+
+def _scatter_indices(index: torch.Tensor, real: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    """``index`` on ``device``, with ``real_flat`` (``[T]`` flat positions of ``[R, W]`` that are tokens) and
+    ``real_at`` (``[T]`` their chunk positions), computed from the host copies (no device sync)."""
+    real_flat = real.flatten().nonzero().flatten()
+    return {
+        "index": index.to(device),
+        "real_flat": real_flat.to(device),
+        "real_at": index.flatten()[real_flat].to(device),
+    }
 
 
 def _packed_rows(lengths: list[int], q_pos: torch.Tensor, tables: torch.Tensor, short_max: int) -> PackedRows:
@@ -98,11 +104,8 @@ def _packed_rows(lengths: list[int], q_pos: torch.Tensor, tables: torch.Tensor, 
     for n in lengths[:-1]:
         offsets.append(offsets[-1] + n)
     short = [i for i, n in enumerate(lengths) if n <= short_max]
-    width = max([lengths[i] for i in short], default=1)
-    arange = torch.arange(width)
-    real = arange[None, :] < torch.tensor([lengths[i] for i in short], dtype=torch.long).reshape(-1, 1)  # [Rs, Qs]
-    starts = torch.tensor([offsets[i] for i in short], dtype=torch.long).reshape(-1, 1)
-    index = torch.where(real, starts + arange[None, :], 0)  # [Rs, Qs]
+    index, real = _padded_index([lengths[i] for i in short], [offsets[i] for i in short])  # [Rs, Qs]
+    width = index.shape[1]
     return PackedRows(
         offsets=offsets,
         lengths=lengths,
@@ -152,13 +155,13 @@ class StepPlan:
         return slots
 
     def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """``valid`` / ``slots`` / ``block_tables`` / ``q_pos`` on ``device`` (moved once per device), and
-        ``valid_index`` (``[N]`` int64 row-major positions of the stored tokens: writes select them without a
-        boolean index, which would wait for the device)."""
+        """``slots`` / ``block_tables`` / ``q_pos`` on ``device`` (moved once per device), and
+        ``valid_index`` (``[N]`` int64 row-major positions of the stored tokens, only when some are not: writes
+        select them without a boolean index, which would wait for the device)."""
         if device not in self.on_device:
-            names = ("valid", "slots", "block_tables", "q_pos")
-            moved = {n: getattr(self, n).to(device) for n in names}
-            moved["valid_index"] = self.valid.flatten().nonzero().flatten().to(device)  # from the host copy
+            moved = {n: getattr(self, n).to(device) for n in ("slots", "block_tables", "q_pos")}
+            if not self.all_valid:
+                moved["valid_index"] = self.valid.flatten().nonzero().flatten().to(device)  # from the host copy
             self.on_device[device] = moved
         return self.on_device[device]
 
