@@ -1,5 +1,6 @@
 """W8A8 (``Int8Config(activations="int8")``): tier (a) activation quantization and the exact reference,
-tier (b) the VNNI kernel and ``Int8Linear`` against the reference / a float layer, tier (c) models."""
+tier (b) the integer-dot kernels (AVX-512 VNNI, AVX2) and ``Int8Linear`` against the reference / a float layer, tier
+(c) models."""
 
 import copy
 import math
@@ -15,9 +16,16 @@ from hf_accel.kernels.ops import native_builds
 from hf_accel.quant import Int8Linear, dequantize, quantize
 from hf_accel.quant.core import ACT_LANES, dequantize_activations, quantize_activations, w8a8_reference
 
-VNNI = native_builds("w8a8_linear")["avx512vnni"]
-QUANTIZE = native_builds("quantize_activations")["avx512vnni"]
-needs_vnni = pytest.mark.skipif(VNNI is None, reason="no AVX-512 VNNI build on this CPU")
+#: every instruction-set build of the integer-dot kernels this CPU runs (AVX-512 VNNI's vpdpbusd, AVX2's vpmaddubsw)
+KERNELS = {isa: fn for isa, fn in native_builds("w8a8_linear").items() if fn is not None}
+QUANTIZERS = {isa: fn for isa, fn in native_builds("quantize_activations").items() if fn is not None}
+EVERY_ISA = ("avx512vnni", "avx512", "avx2")
+
+
+def _each(builds: dict):
+    return [pytest.param(fn, id=isa) for isa, fn in builds.items()] or [
+        pytest.param(None, marks=pytest.mark.skip(reason="no integer-dot build on this CPU"))
+    ]
 
 
 def test_quantize_activations_exact_state():
@@ -63,14 +71,14 @@ def test_w8a8_reference_is_the_integer_formula():
     assert rel < 0.02, rel
 
 
-@needs_vnni
-def test_kernel_quantizes_activations_bitwise_like_the_core():
+@pytest.mark.parametrize("quantizer", _each(QUANTIZERS))
+def test_kernel_quantizes_activations_bitwise_like_the_core(quantizer):
     torch.manual_seed(1)
     x = torch.randn(7, 192) * torch.logspace(-3, 2, 7).unsqueeze(1)
     x[2, (torch.arange(192) % 64) // 4 == 5] = 0  # an all-zero group
     x[4] = 0  # an all-zero row
     x[3, :64] = torch.arange(64) * (1.5 / 127)  # values on half-steps: the tie rule must match
-    xq, scale, base = QUANTIZE(x)
+    xq, scale, base = quantizer(x)
     ref_q, ref_scale = quantize_activations(x)
     assert torch.equal(xq, ref_q) and torch.equal(scale, ref_scale)
     assert scale[2, 5].item() == 0 and scale[4].abs().sum().item() == 0
@@ -78,29 +86,31 @@ def test_kernel_quantizes_activations_bitwise_like_the_core():
     assert torch.equal(base, -128 * sums.int())  # each accumulator's start: cancels the unsigned weights' +128
 
 
-@needs_vnni
+@pytest.mark.parametrize("kernel", _each(KERNELS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 16, 40])
 @pytest.mark.parametrize("shape", [(64, 4), (192, 203), (576, 1536)])  # 203: a partial 4-row tile
-def test_vnni_kernel_matches_the_exact_reference(rows, shape):
+def test_integer_dot_kernel_matches_the_exact_reference(kernel, rows, shape):
     k, n = shape
     torch.manual_seed(rows + k)
     x = torch.randn(rows, k) * 3
     qw = quantize(torch.randn(n, k))
-    got = VNNI(x, qw.qweight, qw.scale)
+    qw.qweight[0, : k // 2] = -128  # outside the quantizer's [-127, 127], inside int8: the kernels take it exactly
+    qw.qweight[1, : k // 2] = 127
+    got = kernel(x, qw.qweight, qw.scale)
     expected = w8a8_reference(x, qw)
     # integer dots are exact (int32 per group); only the fp32 sum of 16 scaled groups rounds: <= 1e-6 of the
     # output scale
-    assert_close(got, expected.float(), atol=1e-6 * expected.abs().max().item(), rtol=0, name="vnni vs exact")
+    assert_close(got, expected.float(), atol=1e-6 * expected.abs().max().item(), rtol=0, name="kernel vs exact")
 
 
-@needs_vnni
-def test_vnni_rows_are_batch_invariant():
+@pytest.mark.parametrize("kernel", _each(KERNELS))
+def test_integer_dot_rows_are_batch_invariant(kernel):
     """A row's output does not depend on the other rows of the call (per-row scales, per-row tiles): bitwise."""
     torch.manual_seed(2)
-    x, qw = torch.randn(11, 256), quantize(torch.randn(96, 256))
-    whole = VNNI(x, qw.qweight, qw.scale)
+    x, qw = torch.randn(11, 256), quantize(torch.randn(98, 256))  # 98: a tile of two weight rows at the end
+    whole = kernel(x, qw.qweight, qw.scale)
     for r in (0, 5, 10):
-        alone = VNNI(x[r : r + 1].contiguous(), qw.qweight, qw.scale)
+        alone = kernel(x[r : r + 1].contiguous(), qw.qweight, qw.scale)
         assert torch.equal(alone[0], whole[r])
 
 
@@ -110,9 +120,9 @@ def test_vnni_rows_are_batch_invariant():
 def test_w8a8_linear_matches_float_layer_on_dequantized_values(pretend_cpu_lacks, emulated, rows, bias):
     """Against a float layer holding the de-quantized weights fed the de-quantized activations; and vs the original."""
     if emulated:
-        pretend_cpu_lacks("avx512vnni")
-    elif VNNI is None:
-        pytest.skip("no AVX-512 VNNI build on this CPU")
+        pretend_cpu_lacks(*EVERY_ISA)
+    elif not KERNELS:
+        pytest.skip("no integer-dot build on this CPU")
     torch.manual_seed(rows)
     linear = nn.Linear(256, 200, bias=bias)
     q = Int8Linear.from_module(linear, activations="int8")
@@ -247,18 +257,19 @@ def test_int8_kernels_run_inside_the_compiled_paged_step(activations):
 
 
 def test_emulated_w8a8_is_reported_and_warned(pretend_cpu_lacks, caplog):
-    pretend_cpu_lacks("avx512vnni")
+    pretend_cpu_lacks(*EVERY_ISA)
     model = tiny_model("llama")
     with caplog.at_level("WARNING", logger="hf_accel.quant.apply"):
         hf_accel.patch_model(model, int8=hf_accel.Int8Config(activations="int8"))
     report = hf_accel.patch_report(model)
-    assert "W8A8 emulated in float (no VNNI kernel)" in report["changes"]["int8"]
+    assert "W8A8 emulated in float (no integer-dot kernel)" in report["changes"]["int8"]
+    lacks = {f"cpu/{isa}": f"(test) this CPU pretends to lack {isa.upper()}" for isa in EVERY_ISA}
     assert report["implementations"]["int8"]["w8a8_linear"] == {
         "uses": "reference",
         "why": "no native implementation takes this call",
-        "not": {"cpu/avx512vnni": "(test) this CPU pretends to lack AVX512VNNI"},
+        "not": lacks,
     }
-    assert "W8A8 runs emulated in float (cpu/avx512vnni: (test) this CPU pretends to lack AVX512VNNI)" in caplog.text
+    assert "W8A8 runs emulated in float (" + "; ".join(f"{k}: {v}" for k, v in lacks.items()) + ")" in caplog.text
     assert model.lm_head.kernel_path(torch.randn(1, 64)) == "w8a8-emulated"
 
 

@@ -1,5 +1,6 @@
-"""W8A8 models through the native executor: every chunk (prompts included) runs the VNNI W8A8 kernel the modules
-themselves run, so the executor computes the model's own maths (tier c), and it says why where it cannot (tier a).
+"""W8A8 models through the native executor: every chunk (prompts included) runs the integer-dot W8A8 kernel the
+modules themselves run (AVX-512 VNNI, or AVX2 where the test pretends the CPU lacks AVX-512), so the executor computes
+the model's own maths (tier c), and it says why where it cannot (tier a).
 
 W8A8 rounds every activation to int8, so a float-order difference elsewhere (the executor's attention, norms) can move
 one activation across a rounding boundary: on real models greedy tokens may then part (Transformers' own eager and
@@ -20,8 +21,10 @@ from hf_accel.native.layers import W8A8, NativeLayers
 from hf_accel.native.step import LeanStep
 from hf_accel.quant.linear import Int8Linear
 
-VNNI = native_builds("decoder_layers")["avx512vnni"]
-needs_vnni = pytest.mark.skipif(VNNI is None, reason="no AVX-512 VNNI build on this CPU")
+BUILDS = [isa for isa, fn in native_builds("decoder_layers").items() if fn is not None]
+needs_native = pytest.mark.skipif(not BUILDS, reason="no native build on this CPU")
+#: the widest build, and the AVX2 build by pretending the CPU lacks AVX-512 (modules and native layers alike)
+WIDEST_AND_AVX2 = [pytest.param((), id="widest"), pytest.param(("avx512vnni", "avx512"), id="avx2")]
 W8A8_CONFIG = hf_accel.Int8Config(activations="int8")
 NO_EOS = dict(do_sample=False, eos_token_id=None)
 
@@ -34,14 +37,20 @@ def _pair(arch: str, init: float = 0.2):
     return plain, native
 
 
-@needs_vnni
+@needs_native
+@pytest.mark.parametrize("lacks", WIDEST_AND_AVX2)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("init", [0.2, 0.02])
-def test_w8a8_greedy_identical_to_the_modules_forward(arch, init):
+def test_w8a8_greedy_identical_to_the_modules_forward(pretend_cpu_lacks, lacks, arch, init):
+    pretend_cpu_lacks(*lacks)
+    build = "avx2" if lacks else BUILDS[0]
+    if build not in BUILDS:
+        pytest.skip(f"no {build} build on this CPU")
     plain, native = _pair(arch, init)
     assert isinstance(native.forward, NativeForward)
     assert native.forward.step.native.int8_activations
-    assert hf_accel.patch_report(native)["implementations"]["native"]["decoder_layers"]["uses"] == "cpu/avx512vnni"
+    assert hf_accel.patch_report(native)["implementations"]["native"]["decoder_layers"]["uses"] == f"cpu/{build}"
+    assert plain.lm_head.kernel_path(torch.randn(1, 64)) == "w8a8"  # the modules' own integer dots, not emulated
     for seed in range(3):
         ids, mask = random_batch(3, [3, 11, 7], seed=seed)
         expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **NO_EOS)
@@ -51,7 +60,7 @@ def test_w8a8_greedy_identical_to_the_modules_forward(arch, init):
         assert native.forward.calls - calls == 16  # the prompt (W8A8 too) and every decode step ran natively
 
 
-@needs_vnni
+@needs_native
 def test_w8a8_prompt_and_step_logits_match_the_modules_forward():
     plain, native = _pair("llama")
     ids, mask = random_batch(2, [9, 4], seed=3)
@@ -71,7 +80,7 @@ def test_w8a8_prompt_and_step_logits_match_the_modules_forward():
         assert_close(got, expected, atol=2e-5, rtol=1e-5, name="step logits")
 
 
-@needs_vnni
+@needs_native
 def test_every_chunk_of_a_w8a8_model_runs_w8a8():
     _, native = _pair("llama")
     layers = native.forward.step.native
@@ -79,15 +88,15 @@ def test_every_chunk_of_a_w8a8_model_runs_w8a8():
     assert LeanStep.exact(native).native.mode(1, 1) == W8A8  # a target's exact step keeps the model's maths
 
 
-def test_w8a8_without_the_vnni_build_or_mixed_with_weight_only_is_refused():
+def test_w8a8_in_every_build_but_not_mixed_with_weight_only():
     model = hf_accel.patch_model(tiny_model("llama"), int8=W8A8_CONFIG, native=False)
     step = LeanStep.build(model, native=False)
-    if native_builds("decoder_layers")["avx512"] is not None:
-        layers, why = NativeLayers.inspect(step, isa="avx512")
-        assert layers is None and why == "W8A8 projections run natively in the AVX-512 VNNI build only, not cpu/avx512"
+    for isa in BUILDS:  # every build has the integer-dot kernels
+        layers, why = NativeLayers.inspect(step, isa=isa)
+        assert layers is not None and why == "" and layers.int8_activations and layers.w8a8, isa
     attn = model.model.layers[1].self_attn
     attn.o_proj = Int8Linear(attn.o_proj.quantized, None, activations="float")  # one weight-only projection
     layers, why = NativeLayers.inspect(step)
-    if VNNI is not None:
+    if BUILDS:
         assert layers is None
         assert why == "some int8 projections are W8A8 and others weight-only (one native call runs them alike)"

@@ -245,9 +245,9 @@ class Int8Config:
         threshold: outlier threshold of the bitsandbytes backend (LLM.int8(): input features with larger
             magnitudes stay in float); 0 turns the decomposition off.
         activations: ``"float"`` (weight-only: activations stay float) or ``"int8"`` (native backend: W8A8,
-            activations quantized per token in 16 interleaved feature groups on every call, integer dot products with
-            AVX-512 VNNI; faster at batch > 1, slightly lossier, and its greedy output is sensitive to float-level
-            differences such as the attention implementation; needs ``group_size=None``).
+            activations quantized per token in 16 interleaved feature groups on every call, integer dot products
+            (AVX-512 VNNI, else AVX2); faster at batch > 1, slightly lossier, and its greedy output is sensitive to
+            float-level differences such as the attention implementation; needs ``group_size=None``).
     """
 
     backend: str = "auto"

@@ -31,7 +31,6 @@ __all__ = ["OPS", "Choice", "OpSpec", "choose", "define_composite", "native_buil
 
 _ALL = tuple(ISAS)  # widest first
 _AVX512 = ("avx512vnni", "avx512")
-_VNNI = ("avx512vnni",)
 
 
 def _no_fit(isa: str, needs: dict[str, Any]) -> str | None:
@@ -46,7 +45,7 @@ def _int8_fit(isa: str, needs: dict[str, Any]) -> str | None:
     return None
 
 
-def _vnni_fit(isa: str, needs: dict[str, Any]) -> str | None:
+def _int_dot_fit(isa: str, needs: dict[str, Any]) -> str | None:
     groups, k = needs.get("groups", 1), needs.get("in_features")
     if groups != 1:
         return f"it needs one weight scale per row, got {groups}"
@@ -157,16 +156,16 @@ OPS: dict[str, OpSpec] = {
             lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]}, portable.int8_linear, triton_int8,
         ),
         OpSpec(
-            "w8a8_linear", _LINEAR, reference.w8a8_linear, _rows_by_out, "w8a8_linear", _VNNI, _vnni_fit,
+            "w8a8_linear", _LINEAR, reference.w8a8_linear, _rows_by_out, "w8a8_linear", _ALL, _int_dot_fit,
             lambda x, q, s: {"groups": s.shape[1], "in_features": q.shape[1]},
         ),
         OpSpec(
-            "w8a16_linear", _LINEAR, reference.w8a16_linear, _rows_by_out, "w8a16_linear", _VNNI, _vnni_fit,
+            "w8a16_linear", _LINEAR, reference.w8a16_linear, _rows_by_out, "w8a16_linear", _ALL, _int_dot_fit,
             lambda x, q, s: {"groups": s.shape[1]},
         ),
         OpSpec(
             "quantize_activations", "(Tensor x) -> (Tensor, Tensor, Tensor)", reference.vnni_activations,
-            _activations_fake, "quantize_activations", _VNNI,
+            _activations_fake, "quantize_activations", _ALL,
         ),
         OpSpec(
             "paged_attention",

@@ -4,7 +4,8 @@ native implementation applies (:func:`.ops.choose` says when, and the feature re
 
 Activation quantization for the integer-dot kernels: W8A8 quantizes each row to int8 per one of :data:`ACT_LANES`
 interleaved feature groups (feature ``k`` belongs to group ``(k % 64) // 4``: the four features one int32 lane of
-AVX-512 VNNI's ``vpdpbusd`` sums); W8A16 to int16 with groups ``(k % 32) // 2`` (``vpdpwssd``). The linears are then
+AVX-512 VNNI's ``vpdpbusd`` sums, as do AVX2's ``vpmaddubsw`` + ``vpmaddwd``); W8A16 to int16 with groups
+``(k % 32) // 2`` (``vpdpwssd``; ``vpmaddwd``). The linears are then
 exact integer dots per group, scaled once: :func:`w8a8_exact` / :func:`w8a16_exact`.
 """
 

@@ -5,8 +5,9 @@ SiLU-gated MLP) into the flat parameter list of the ``decoder_layers`` op (:mod:
 ``kernels/cpu/decoder_layers.cpp``, the pure-torch reference :func:`hf_accel.kernels.reference.decoder_layers`) and
 runs a chunk through all of them over a cache of :class:`~.growing.GrowingLayer` layers: the per-layer Python and
 dispatcher work (~250 us a layer at SmolLM2's size) disappears. Projections may be float32 ``nn.Linear`` or
-weight-only ``Int8Linear``; on an AVX-512 VNNI build int8 projections can also run with int16 (W8A16) or int8 (W8A8)
-activations (:meth:`NativeLayers.mode`).
+weight-only ``Int8Linear``; int8 projections can also run with int16 (W8A16) or int8 (W8A8) activations and integer
+dot products (:meth:`NativeLayers.mode`; AVX-512 VNNI's ``vpdpbusd`` / ``vpdpwssd`` in the VNNI build, AVX2's
+``vpmaddubsw`` / ``vpmaddwd`` in the others).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ __all__ = [
 
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: From this chunk width a native int8 chunk runs W8A8, and from this many activation rows W8A16, where they can
-#: (VNNI build); the largest prompt mask the native layers take (:mod:`hf_accel.kernels.tuning` says why)
+#: (every build); the largest prompt mask the native layers take (:mod:`hf_accel.kernels.tuning` says why)
 W8A8_MIN_WIDTH = CPU.w8a8_min_width
 W8A16_MIN_ROWS = CPU.w8a16_min_rows
 PROMPT_MASK_CELLS = CPU.prompt_mask_cells
@@ -160,13 +161,12 @@ class NativeLayers:
         int8 = [(w, s) for layer in params for w, s in itertools.pairwise(layer) if w.dtype == torch.int8]
         #: every projection is float (a target, a float draft): prompts may run here too (:meth:`LeanStep.takes_prompt`)
         self.float_only = not int8
-        vnni = choice.impl == "cpu/avx512vnni"
-        #: the int8 projections can run W8A16 (VNNI build; a projection whose weight does not suit it runs
-        #: weight-only) and W8A8 (VNNI build, one scale per weight row and in_features % 64 == 0 everywhere)
-        self.w8a16 = bool(int8) and vnni
+        #: the int8 projections can run W8A16 (a projection whose weight does not suit it runs weight-only) and W8A8
+        #: (one scale per weight row and in_features % 64 == 0 everywhere): integer dots, in every build
+        self.w8a16 = bool(int8)
         self.w8a8 = self.w8a16 and all(w8a8_fits(w, s) for w, s in int8)
         #: every int8 projection is a W8A8 ``Int8Linear``: every chunk runs W8A8, the modules' own maths (the same
-        #: VNNI kernel), prompts included (:meth:`mode`, :meth:`LeanStep.takes_prompt`)
+        #: integer-dot kernel), prompts included (:meth:`mode`, :meth:`LeanStep.takes_prompt`)
         self.int8_activations = False
         #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
         #: (at a batch of 4 rows and a ~450-token context the fp32 K/V of SmolLM2's 30 layers are ~80 MB, close to
@@ -183,7 +183,7 @@ class NativeLayers:
         return W8A16 if self.w8a16 and rows >= W8A16_MIN_ROWS else WEIGHT_ONLY
 
     def head_kernel(self, mode: int, head: nn.Module, rows: int) -> Callable[..., torch.Tensor] | None:
-        """The VNNI kernel the int8 ``head`` runs with on ``rows`` rows for a chunk whose layers ran ``mode``
+        """The integer-dot kernel the int8 ``head`` runs with on ``rows`` rows for a chunk whose layers ran ``mode``
         (``None``: the weight-only kernel)."""
         if mode == WEIGHT_ONLY or not weight_only_native(head):
             return None
@@ -227,7 +227,7 @@ class NativeLayers:
         choice = layers_choice(groups, isa)
         if choice is None:
             return None, "no native build takes these weights: " + str(choose_layers_reasons(groups))
-        why = _w8a8_mismatch(acts, choice)
+        why = _w8a8_mismatch(acts)
         if why is not None:
             return None, why
         kv = (step.heads, step.kv_heads, step.head_dim)
@@ -275,15 +275,13 @@ class NativeLayers:
         return out.view(batch, width, hidden)
 
 
-def _w8a8_mismatch(acts: set[str], choice: Choice) -> str | None:
-    """Why native layers of ``choice`` cannot run int8 projections whose activations are ``acts`` (``None``: they
-    can): W8A8 modules run the VNNI kernel, which only the VNNI build has, and one call runs every projection alike."""
+def _w8a8_mismatch(acts: set[str]) -> str | None:
+    """Why native layers cannot run int8 projections whose activations are ``acts`` (``None``: they can): one call
+    runs every projection alike."""
     if "int8" not in acts:
         return None
     if len(acts) > 1:
         return "some int8 projections are W8A8 and others weight-only (one native call runs them alike)"
-    if choice.impl != "cpu/avx512vnni":
-        return f"W8A8 projections run natively in the AVX-512 VNNI build only, not {choice.impl}"
     return None
 
 

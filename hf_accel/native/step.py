@@ -72,7 +72,7 @@ def _half_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def _head(head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
-    ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' VNNI build, as the layers ran) where its
+    ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' build, as the layers ran) where its
     weight suits it. A half-precision head on float32 states (a half model's native layers): :func:`_half_head`."""
     if h.dtype == torch.float32 and type(head) is nn.Linear and head.weight.dtype in HALF_DTYPES:
         return _half_head(head, h)

@@ -73,7 +73,7 @@ def _check(model: nn.Module, config: Int8Config, backend: str) -> None:
 
 
 def _check_w8a8(targets: list[tuple[str, nn.Linear]], device: torch.device, recorder: Recorder) -> None:
-    """Every target must take W8A8; say (and log) when the maths runs emulated rather than on VNNI."""
+    """Every target must take W8A8; say (and log) when the maths runs emulated rather than in integer dots."""
     for name, linear in targets:
         try:
             check_w8a8(linear.in_features, None)
@@ -84,9 +84,9 @@ def _check_w8a8(targets: list[tuple[str, nn.Linear]], device: torch.device, reco
             ) from None
     choice = kernel_choice("int8", targets[0][1].in_features, targets[0][1].in_features, device) if targets else None
     if choice is not None and not choice.native:
-        recorder.note(FEATURE, "W8A8 emulated in float (no VNNI kernel)")
+        recorder.note(FEATURE, "W8A8 emulated in float (no integer-dot kernel)")
         logger.warning(
-            "hf_accel: W8A8 runs emulated in float (%s): same results as the VNNI kernel within float rounding, "
+            "hf_accel: W8A8 runs emulated in float (%s): same results as the integer-dot kernel within float rounding, "
             "slower than weight-only int8 (activations='float')",
             "; ".join(f"{k}: {v}" for k, v in choice.rejected.items()),
         )

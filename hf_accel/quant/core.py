@@ -6,11 +6,12 @@ A weight ``W: [N, K]`` is stored as ``q: [N, K] int8`` and ``scale: [N, G] float
 
 W8A8 (``Int8Config(activations="int8")``) also quantizes the activations with the same rule, per row and per
 one of :data:`ACT_LANES` interleaved feature groups: feature ``k`` belongs to group ``(k % 64) // 4``, i.e. four
-adjacent features of every 64-feature block (the features one int32 lane of AVX-512 VNNI's ``vpdpbusd`` sums,
-so a kernel accumulates each group in integers over the whole row and scales once at the end). The linear
-becomes integer dot products per group (:func:`w8a8_reference` is the exact definition the kernel reproduces).
+adjacent features of every 64-feature block (the features one int32 lane of AVX-512 VNNI's ``vpdpbusd`` sums, and
+of AVX2's ``vpmaddubsw`` + ``vpmaddwd``, so a kernel accumulates each group in integers over the whole row and scales
+once at the end). The linear becomes integer dot products per group (:func:`w8a8_reference` is the exact definition
+the kernel reproduces).
 
-W8A16 (the speculative draft's native steps on AVX-512 VNNI CPUs) quantizes activations to int16 the same way, per
+W8A16 (the speculative draft's native steps) quantizes activations to int16 the same way, per
 row and per interleaved group, with groups of two adjacent features of every 32-feature block (what one int32 lane
 of ``vpdpwssd`` sums): :func:`quantize_activations16`, :func:`w8a16_reference`.
 """

@@ -76,7 +76,8 @@ class Int8Linear(nn.Module):
         bias: ``[N]`` float bias or ``None``.
         activations: ``"float"``: weight-only (activations stay float); ``"int8"``: W8A8, activations quantized per
             row in 16 interleaved feature groups on every call (see :func:`~hf_accel.quant.core.w8a8_reference`),
-            integer dot products on AVX-512 VNNI CPUs, the same maths emulated in float elsewhere.
+            integer dot products on x86 CPUs with AVX2 (AVX-512 VNNI where the CPU has it), the same maths emulated
+            in float elsewhere.
 
     Shapes:
         input ``[..., K]`` (any float dtype) -> output ``[..., N]`` of the input dtype.
@@ -150,7 +151,7 @@ class Int8Linear(nn.Module):
         """Which path a call with ``x`` takes.
 
         Returns:
-            ``"w8a8"`` (VNNI kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
+            ``"w8a8"`` (integer-dot kernel) or ``"w8a8-emulated"`` (float maths, other CPUs / devices / dtypes) for
             ``activations="int8"``; else ``"native"`` (weight-only kernel, <= 16 rows), ``"portable"`` (on an
             accelerator: the Triton kernel on CUDA, :mod:`hf_accel.kernels.triton_int8`; elsewhere
             :func:`hf_accel.kernels.portable.int8_linear`, or its fusable form when compiling) or ``"dequantize"``.

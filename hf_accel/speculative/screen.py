@@ -5,7 +5,7 @@ head computes all ``V`` of them: on SmolLM2 (49152 x 576) ~28 ms for a 4 x 13 ch
 forward (one-off timing, docs/speculative.md). :class:`HeadScreen` finds the same argmax for less:
 
 1. ``approx = W8A16(h)``: every logit from an int8 copy of the head weight (one scale per row) and int16
-   activations (the VNNI kernel of the draft's native layers; ~9 ms for 52 rows).
+   activations (the integer-dot kernel of the draft's native layers; ~9 ms for 52 rows, VNNI).
 2. A rigorous bound on each approximate logit's error: with ``W = Q + R`` (``Q`` the de-quantized int8 weight,
    ``R`` the rounding residual, whose row norms are stored) and ``h = ĥ + e`` (``ĥ`` the int16 activations),
    ``h.W_v - ĥ.Q_v = h.R_v + e.Q_v``, so by Cauchy-Schwarz

@@ -11,10 +11,10 @@
 // only the rounding order differs.
 //
 // Part of every instruction-set build of the CPU extension (module.cpp): int8 weights use the widest
-// weight-only int8 kernel of the build; the VNNI build can also run them with quantized activations and integer
-// dot products: W8A16 (hf_accel/csrc/w8a16_impl.h: int16 activations, for steps and catch-ups, where the
-// weight-only kernel's conversions and FMAs rather than the weight bytes set the pace) or W8A8
-// (hf_accel/csrc/w8a8_impl.h: int8 activations, cheaper still, for chunks of many rows: a draft's guess checks).
+// weight-only int8 kernel of the build, or with quantized activations and integer dot products (int_dots.h: AVX-512
+// VNNI, else AVX2): W8A16 (int16 activations, for steps and catch-ups, where the weight-only kernel's conversions and
+// FMAs rather than the weight bytes set the pace) or W8A8 (int8 activations, cheaper still, for chunks of many rows:
+// a draft's guess checks; and every chunk of a W8A8 model).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -30,13 +30,7 @@
 #include "vexp.h"
 #include "int8_gemm_impl.h"
 #include "dot_tile.h"
-#ifdef __AVX512VNNI__
-#include "w8a16_impl.h"
-#include "w8a8_impl.h"
-constexpr bool kVnni = true;
-#else
-constexpr bool kVnni = false;
-#endif
+#include "int_dots.h"
 
 namespace hf_accel::cpu {
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight);  // half_gemm.cpp
@@ -62,7 +56,7 @@ enum Param : size_t {
   kParams
 };
 
-// How the int8 projections run: weight-only, or with quantized activations (VNNI build only).
+// How the int8 projections run: weight-only, or with quantized activations (int_dots.h: VNNI or AVX2 integer dots).
 enum Mode : int64_t { kWeightOnly = 0, kW8A16 = 1, kW8A8 = 2 };
 
 #ifdef __AVX512F__
@@ -152,11 +146,9 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     if (bias.numel()) y.add_(bias);
     return y;
   }
-#ifdef __AVX512VNNI__
   if (mode == kW8A8) y = hf_accel::w8a8::w8a8_linear(x, weight, scale);
   if (mode == kW8A16 && hf_accel::w8a16::fits(weight.size(1), scale.size(1)))
     y = hf_accel::w8a16::w8a16_linear(x, weight, scale);
-#endif
   if (!y.defined()) y = hf_accel::int8_linear<V>(x, weight, scale);
   if (bias.numel()) y.add_(bias);
   return y;
@@ -455,8 +447,7 @@ torch::Tensor run_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat
                          const torch::Tensor& sn, int64_t heads, int64_t kv_heads, double eps, int64_t mode,
                          const Attend& attend) {
   TORCH_CHECK(h.dim() == 2 && h.scalar_type() == torch::kFloat, "lean layers: h must be [M, E] float32");
-  TORCH_CHECK(mode == kWeightOnly || (kVnni && (mode == kW8A16 || mode == kW8A8)),
-              "lean layers: mode ", mode, " is not available in this build");
+  TORCH_CHECK(mode == kWeightOnly || mode == kW8A16 || mode == kW8A8, "lean layers: unknown int8 mode ", mode);
   TORCH_CHECK(flat.size() == layers * kParams, "lean layers: ", kParams, " parameters per layer");
   const int64_t M = h.size(0), E = h.size(1), D = cs.size(1);
   TORCH_CHECK(cs.dim() == 2 && cs.size(0) == M && sn.sizes() == cs.sizes(), "lean layers: cos / sin must be [M, D]");
@@ -499,7 +490,7 @@ torch::Tensor run_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat
 }  // namespace
 
 // h [B*C, E] fp32 (rows ordered b-major) through every layer; returns the new hidden states [B*C, E]. `mode`: how the
-// int8 projections run (Mode; other than weight-only in the VNNI build only). `flat`: kParams tensors per layer.
+// int8 projections run (Mode). `flat`: kParams tensors per layer.
 // keys / values: per layer [B, H_kv, cap, D] contiguous buffers (float32, or float16: saturated at +-65504) holding
 // `used` columns; the chunk's C columns are written at [used, used + C). allowed [B, C, used + C] bool; cos / sin [B*C, D].
 torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& flat,
@@ -577,7 +568,6 @@ void register_decoder_layers(pybind11::module_& m) {
   m.def("decoder_layers_paged", &decoder_layers_paged, "the same layers over a paged K/V pool (float32)");
   m.def("float_linear", &float_linear, "x @ W^T of a narrow chunk, W float32 [N, K] read in place (float projections)");
   m.def("float_linear_fits", &dot_fits, "whether float_linear takes (x, weight)");
-  m.def("vnni", []() { return kVnni; }, "whether this build can run the int8 projections as W8A16 / W8A8");
   m.def("float_linear_max_rows", []() { return kDotMaxRows; }, "float_linear takes at most this many rows");
 }
 
