@@ -41,7 +41,7 @@ inline void tile(const float* x, const W* w, float* y, int64_t K, int64_t ldy, W
   [[maybe_unused]] const char* ahead = reinterpret_cast<const char*>(w + NR * K) + kHalfAhead;
   for (int64_t k = 0; k < K; k += V::kLanes) {
     if constexpr (sizeof(W) == 2) {
-      for (int64_t b = 0; b < NR * V::kLanes * 2; b += 64) _mm_prefetch(ahead + k * NR * 2 + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < NR * V::kLanes * 2; b += 64) prefetch_weights(ahead + k * NR * 2 + b);
     }
     V::F wv[NR];
     for (int r = 0; r < NR; ++r) wv[r] = widen(w + r * K + k);

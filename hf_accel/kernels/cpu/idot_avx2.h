@@ -109,7 +109,7 @@ inline void tile8(const int8_t* xq, const float* xscale, const int8_t* q, const 
   const __m256i ones = _mm256_set1_epi16(1);
   const char* ahead = reinterpret_cast<const char*>(q) + NR * K + kAhead;  // the tile's rows are contiguous
   for (int64_t k = 0; k < K; k += 64) {
-    for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + k * NR + r * 64, _MM_HINT_T0);
+    for (int r = 0; r < NR; ++r) prefetch_weights(ahead + k * NR + r * 64);
     for (int h = 0; h < 2; ++h) {
       __m256i xv[MR];
       for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + k + 32 * h));
@@ -137,7 +137,7 @@ inline void tile16(const int16_t* xq, const float* xscale, const int8_t* q, cons
   const char* ahead = reinterpret_cast<const char*>(q) + NR * K + kAhead;
   for (int64_t k = 0; k < K; k += 32) {
     if (k % 64 == 0)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + k * NR + r * 64, _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) prefetch_weights(ahead + k * NR + r * 64);
     for (int h = 0; h < 2; ++h) {
       __m256i xv[MR];
       for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + k + 16 * h));

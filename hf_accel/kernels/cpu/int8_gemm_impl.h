@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "avx2_common.h"
 
 namespace hf_accel {
 
@@ -33,7 +34,7 @@ __attribute__((always_inline)) inline void int8_span(const float* x, const int8_
   for (int64_t k = k0; k < k1; k += V::kLanes) {
     F xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = V::load(x + m * K + k);
-    for (int64_t b = 0; b < rows * V::kLanes; b += 64) _mm_prefetch(ahead + k * rows + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < rows * V::kLanes; b += 64) prefetch_weights(ahead + k * rows + b);
     for (int64_t r = 0; r < rows; ++r) {
       const F w = V::load_w(q + r * K + k);
       for (int m = 0; m < MR; ++m) sums[m][r] = V::fma(xv[m], w, sums[m][r]);
@@ -71,35 +72,76 @@ void int8_tile(const float* x, const int8_t* q, const float* scale, float* y, in
     for (int64_t r = 0; r < rows; ++r) y[m * ldy + r] = V::sum(acc[m][r]);
 }
 
-// x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
 template <class V>
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+std::vector<torch::Tensor> int8_linear_many(const torch::Tensor& x, const std::vector<torch::Tensor>& qs,
+                                            const std::vector<torch::Tensor>& scales);
+
+// One tile of `rows` (<= 4) weight rows qt (scales st) against every activation row: y[m, 0 .. rows).
+template <class V>
+inline void int8_rows(const float* xp, const int8_t* qt, const float* st, float* yp, int64_t M, int64_t K, int64_t ldy,
+                      int64_t rows, int64_t group, int64_t G) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) int8_tile<V, 4>(xp + m * K, qt, st, yp + m * ldy, rows, K, group, G, ldy);
+  for (; m + 2 <= M; m += 2) int8_tile<V, 2>(xp + m * K, qt, st, yp + m * ldy, rows, K, group, G, ldy);
+  for (; m < M; ++m) int8_tile<V, 1>(xp + m * K, qt, st, yp + m * ldy, rows, K, group, G, ldy);
+}
+
+// Checks one product's arguments; returns its group size.
+template <class V>
+int64_t int8_check(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scale.dim() == 2, "int8_linear: expected 2-D x, q, scale");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && q.scalar_type() == torch::kChar &&
                   scale.scalar_type() == torch::kFloat, "int8_linear: dtypes must be float32, int8, float32");
   TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "int8_linear: needs contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
+  const int64_t K = x.size(1), N = q.size(0), G = scale.size(1);
   TORCH_CHECK(q.size(1) == K && scale.size(0) == N && K % G == 0, "int8_linear: shape mismatch");
-  const int64_t group = K / G;
-  TORCH_CHECK(group % V::kLanes == 0, "int8_linear (", V::kName, "): group size must be a multiple of ", V::kLanes);
-  auto y = torch::empty({M, N}, x.options());
+  TORCH_CHECK((K / G) % V::kLanes == 0, "int8_linear (", V::kName, "): group size must be a multiple of ", V::kLanes);
+  return K / G;
+}
+
+// x: [M, K] float32 contiguous; q: [N, K] int8; scale: [N, G] float32; returns [M, N] float32.
+template <class V>
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
+  return int8_linear_many<V>(x, {q}, {scale})[0];
+}
+
+// Several products of the same x [M, K] in one parallel region (a layer's q / k / v, or gate / up): one fork and join
+// instead of one per product, and the threads' shares of every weight stream back to back. ys[i] = x @ (qs[i] *
+// scales[i])^T, each [M, N_i]; the tiles of all products are split over threads together.
+template <class V>
+std::vector<torch::Tensor> int8_linear_many(const torch::Tensor& x, const std::vector<torch::Tensor>& qs,
+                                            const std::vector<torch::Tensor>& scales) {
+  TORCH_CHECK(!qs.empty() && qs.size() == scales.size(), "int8_linear: one scale tensor per weight");
+  const size_t P = qs.size();
+  struct Product {
+    const int8_t* q;
+    const float* scale;
+    float* y;
+    int64_t n, g, group, first;  // rows, scales per row, group size, first tile in the joint numbering
+  };
+  std::vector<Product> products(P);
+  std::vector<torch::Tensor> ys(P);
+  int64_t tiles = 0;
+  for (size_t i = 0; i < P; ++i) {
+    const int64_t group = int8_check<V>(x, qs[i], scales[i]);
+    ys[i] = torch::empty({x.size(0), qs[i].size(0)}, x.options());
+    products[i] = {qs[i].data_ptr<int8_t>(), scales[i].data_ptr<float>(), ys[i].data_ptr<float>(), qs[i].size(0),
+                   scales[i].size(1), group, tiles};
+    tiles += (qs[i].size(0) + kInt8Rows - 1) / kInt8Rows;
+  }
+  const int64_t M = x.size(0), K = x.size(1);
   const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kInt8Rows - 1) / kInt8Rows;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kInt8Rows, rows = std::min(kInt8Rows, N - n0);
-      const int8_t* qt = qp + n0 * K;
-      const float* st = sp + n0 * G;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) int8_tile<V, 4>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
-      for (; m + 2 <= M; m += 2) int8_tile<V, 2>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
-      for (; m < M; ++m) int8_tile<V, 1>(xp + m * K, qt, st, yp + m * N + n0, rows, K, group, G, N);
+      while (i + 1 < P && t >= products[i + 1].first) ++i;
+      const Product& p = products[i];
+      const int64_t n0 = (t - p.first) * kInt8Rows;
+      int8_rows<V>(xp, p.q + n0 * K, p.scale + n0 * p.g, p.y + n0, M, K, p.n, std::min(kInt8Rows, p.n - n0), p.group,
+                   p.g);
     }
   });
-  return y;
+  return ys;
 }
 
 }  // namespace hf_accel

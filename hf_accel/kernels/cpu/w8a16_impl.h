@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "avx2_common.h"
 #include "avx512_common.h"
 #include <algorithm>
 
@@ -74,7 +75,7 @@ inline void tile(const int16_t* xq, const float* xscale, const int8_t* q, const 
     __m512i xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_si512(xq + i * K + k);
     if (k % 64 == 0)
-      for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + k * NR + r * 64, _MM_HINT_T0);
+      for (int r = 0; r < NR; ++r) prefetch_weights(ahead + k * NR + r * 64);
     for (int r = 0; r < NR; ++r) {
       const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k)));
       for (int i = 0; i < MR; ++i) acc[i][r] = _mm512_dpwssd_epi32(acc[i][r], w, xv[i]);

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "avx2_common.h"
 #include "avx512_common.h"
 #include <algorithm>
 #include <vector>
@@ -83,7 +84,7 @@ inline void tile(const int8_t* xq, const float* xscale, const int32_t* base, con
   for (int64_t k = 0; k < K; k += kBlock) {
     __m512i xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = _mm512_loadu_si512(xq + i * K + k);
-    for (int r = 0; r < NR; ++r) _mm_prefetch(ahead + k * NR + r * kBlock, _MM_HINT_T0);
+    for (int r = 0; r < NR; ++r) prefetch_weights(ahead + k * NR + r * kBlock);
     for (int r = 0; r < NR; ++r) {
       const int8_t* row = q + r * K + k;
       const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(row), flip);  // q + 128 as unsigned bytes
