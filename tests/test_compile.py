@@ -56,8 +56,10 @@ def test_packing_unavailable_says_why():
 
 LAYOUTS = ["onednn", "panel"]
 needs_panel = pytest.mark.skipif(
-    not panel_choice(torch.zeros(16, 16)).native, reason="the panel kernel needs an AVX-512 CPU"
+    not panel_choice(torch.zeros(16, 16)).native, reason="the panel kernel needs an AVX2 or AVX-512 CPU"
 )
+#: the widest panel build, and the AVX2 one (two ymm per panel step) by pretending the CPU lacks AVX-512
+PANEL_BUILDS = [pytest.param((), id="widest"), pytest.param(("avx512vnni", "avx512"), id="avx2")]
 
 
 def _layout_marks(layout: str):
@@ -86,10 +88,15 @@ def test_packed_linear_matches_linear(shape, bias, layout):
 
 
 @needs_panel
+@pytest.mark.parametrize("lacks", PANEL_BUILDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 11, 16, 64, 300])
 @pytest.mark.parametrize(("k", "n"), [(576, 1536), (1536, 576), (576, 192), (100, 48)])
-def test_panel_kernel_every_row_count(rows, k, n):
-    """Every tile shape of the kernel (1, 2, 4-row tiles with 1-3 row remainders; 6, 1-panel leftovers)."""
+def test_panel_kernel_every_row_count(pretend_cpu_lacks, lacks, rows, k, n):
+    """Every tile shape of the kernel (AVX-512: 1, 2, 4-row tiles with 1-3 row remainders, 8 / 6-panel tiles and
+    1-panel leftovers; AVX2: 6 / 2 / 1-panel tiles)."""
+    pretend_cpu_lacks(*lacks)
+    if lacks:
+        assert panel_choice(torch.zeros(16, 16)).impl == "cpu/avx2"
     torch.manual_seed(rows)
     linear = nn.Linear(k, n, bias=rows % 2 == 1)
     packed = PackedLinear.from_module(linear, layout="panel")
@@ -150,6 +157,19 @@ def test_greedy_identical_every_architecture(tiny, arch, backend):
     assert_close(logits_of(tiny, ids, mask), before, atol=1e-4, rtol=1e-4, name=f"{arch} logits")  # fp32
     hf_accel.unpatch_model(tiny)
     assert torch.equal(logits_of(tiny, ids, mask), before)  # bitwise: the packed values come back as they were
+
+
+@needs_panel
+def test_greedy_identical_on_the_avx2_panel_build(pretend_cpu_lacks):
+    pretend_cpu_lacks("avx512vnni", "avx512")
+    model = tiny_model("llama", initializer_range=0.02)
+    ids, mask = random_batch(3, [4, 9, 12], seed=7)
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    hf_accel.patch_model(model, compile=CompileConfig(backend="eager", mlp=True))
+    assert hf_accel.patch_report(model)["implementations"]["compile"]["panel_linear"]["uses"] == "cpu/avx2"
+    assert model.model.layers[0].mlp.gate_up_proj.layout == "panel"
+    got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
 
 
 def test_cpu_default_packs_without_compiling_mlps():

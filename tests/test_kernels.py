@@ -81,7 +81,7 @@ def test_paged_attention_against_reference(fn, dtype):
     assert_close(fn(*args).float(), expected.float(), atol=tol, rtol=tol, name=f"paged attention {dtype}")
 
 
-@pytest.mark.parametrize("isa", ["avx512vnni", "avx512"])
+@pytest.mark.parametrize("isa", ISAS)
 def test_panel_pack_and_linear_against_reference(isa):
     pack, linear = native_builds("panel_pack").get(isa), native_builds("panel_linear").get(isa)
     if pack is None:

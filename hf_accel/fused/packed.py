@@ -3,7 +3,7 @@
 PyTorch's eager ``F.linear`` hands a plain row-major weight to MKL on every call; for the skinny products of
 decoding (one or a few activation rows) MKL streams it at 15-16 GB/s on this machine. Two packed layouts:
 
-* ``"panel"`` (fp32 on AVX-512 CPUs): hf_accel's own kernel (``kernels/cpu/panel_gemm.cpp``) over the weight in
+* ``"panel"`` (fp32 on AVX2 / AVX-512 CPUs): hf_accel's own kernel (``kernels/cpu/panel_gemm.cpp``) over the weight in
   panels of 16 output features, ``[N/16, K, 16]``. Decode-sized products run 1.3-2.3x faster than oneDNN's
   packed GEMM here (``docs/compile.md``), larger ones on par; a plain strided tensor, so it deep-copies,
   and Inductor passes it through unchanged.
@@ -33,7 +33,7 @@ LAYOUTS = ("auto", "panel", "onednn")
 
 
 def panel_choice(weight: torch.Tensor) -> Choice:
-    """The panel GEMM's implementation for ``weight`` [N, K] (:func:`hf_accel.kernels.ops.choose`): the AVX-512 build,
+    """The panel GEMM's implementation for ``weight`` [N, K] (:func:`hf_accel.kernels.ops.choose`): the widest build,
     or the reference where it does not apply (then the weight is packed for oneDNN instead)."""
     return choose("panel_linear", weight.device, dtype=weight.dtype, out_features=weight.shape[0])
 
@@ -104,7 +104,7 @@ class PackedLinear(nn.Module):
 
     @property
     def layout(self) -> str:
-        """``"panel"`` (hf_accel's AVX-512 kernel), ``"onednn"``, or ``"dense"`` (a plain ``[N, K]`` weight: the
+        """``"panel"`` (hf_accel's AVX2 / AVX-512 kernel), ``"onednn"``, or ``"dense"`` (a plain ``[N, K]`` weight: the
         module was moved or cast where neither applies, e.g. to CUDA or float16; it then runs ``F.linear``)."""
         if self.packed.layout == torch._mkldnn:
             return "onednn"
@@ -117,7 +117,7 @@ class PackedLinear(nn.Module):
         Args:
             linear: a plain ``nn.Linear`` on CPU in float32/bfloat16.
             batch_hint: the activation rows oneDNN tunes its layout for (decode: the batch size).
-            layout: ``"auto"`` (``"panel"`` where the AVX-512 kernel runs this weight, else ``"onednn"``),
+            layout: ``"auto"`` (``"panel"`` where hf_accel's kernel runs this weight, else ``"onednn"``),
                 ``"panel"`` or ``"onednn"``.
 
         Raises:

@@ -175,10 +175,10 @@ OPS: dict[str, OpSpec] = {
             lambda q, k, *rest: {"dtype": q.dtype, "block_size": k.shape[1], "head_dim": q.shape[-1]},
             portable.paged_attention, triton_paged,
         ),
-        OpSpec("panel_pack", "(Tensor weight) -> Tensor", reference.panel_pack, _pack_fake, "panel_pack", _AVX512),
+        OpSpec("panel_pack", "(Tensor weight) -> Tensor", reference.panel_pack, _pack_fake, "panel_pack"),
         OpSpec(
             "panel_linear", "(Tensor x, Tensor packed, Tensor? bias) -> Tensor", reference.panel_linear,
-            _panel_linear_fake, "panel_linear", _AVX512, _panel_fit,
+            _panel_linear_fake, "panel_linear", _ALL, _panel_fit,
         ),
         OpSpec(
             "float_linear", "(Tensor x, Tensor weight) -> Tensor", reference.float_linear, _rows_by_out,

@@ -209,6 +209,18 @@ inline void quantize_rows(const float* x, Act* xq, float* scale, int64_t M, int6
   });
 }
 
+// x [M, K] float32 through `quantize` (a row -> Act values and 16 scales, in one scratch allocation), then the tiles.
+template <class Act, class Quantize, class Tiles>
+inline torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                                      Quantize quantize, Tiles tiles) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto scratch = torch::empty({M * (kLanes + K * static_cast<int64_t>(sizeof(Act)) / 4)}, x.options());
+  float* xs = scratch.data_ptr<float>();
+  Act* xq = reinterpret_cast<Act*>(xs + M * kLanes);
+  quantize_rows(x.data_ptr<float>(), xq, xs, M, K, quantize);
+  return run(xq, xs, q, scale, M, x.options(), tiles);
+}
+
 inline void check_weights(const char* what, const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), what,
               ": x must be a contiguous 2-D float32 tensor");
@@ -248,12 +260,7 @@ inline std::vector<torch::Tensor> quantize(const torch::Tensor& x) {
 inline torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   check_x(x);
   idot::check_weights("w8a8", x, q, scale);
-  const int64_t M = x.size(0), K = x.size(1);
-  auto scratch = torch::empty({M * (idot::kLanes + K / 4)}, x.options());  // per row 16 scales, K int8 values
-  float* xs = scratch.data_ptr<float>();
-  int8_t* xq = reinterpret_cast<int8_t*>(xs + M * idot::kLanes);
-  idot::quantize_rows(x.data_ptr<float>(), xq, xs, M, K, idot::quantize_row8);
-  return idot::run(xq, xs, q, scale, M, x.options(), idot::Tiles8());
+  return idot::quantized_linear<int8_t>(x, q, scale, idot::quantize_row8, idot::Tiles8());
 }
 
 }  // namespace hf_accel::w8a8
@@ -267,13 +274,9 @@ inline bool fits(int64_t K, int64_t groups) { return groups == 1 && K % kBlock =
 
 inline torch::Tensor w8a16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   idot::check_weights("w8a16", x, q, scale);
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(1);
   TORCH_CHECK(fits(K, scale.size(1)), "w8a16: needs in_features a multiple of ", kBlock, " up to ", kMaxK, ", got ", K);
-  auto scratch = torch::empty({M * (idot::kLanes + K / 2)}, x.options());  // per row 16 scales, K int16 values
-  float* xs = scratch.data_ptr<float>();
-  int16_t* xq = reinterpret_cast<int16_t*>(xs + M * idot::kLanes);
-  idot::quantize_rows(x.data_ptr<float>(), xq, xs, M, K, idot::quantize_row16);
-  return idot::run(xq, xs, q, scale, M, x.options(), idot::Tiles16());
+  return idot::quantized_linear<int16_t>(x, q, scale, idot::quantize_row16, idot::Tiles16());
 }
 
 }  // namespace hf_accel::w8a16

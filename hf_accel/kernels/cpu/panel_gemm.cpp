@@ -1,13 +1,14 @@
-// fp32 y = x @ W^T (+ b) for a weight packed in panels of 16 output features, AVX-512 (AVX-512 builds only).
+// fp32 y = x @ W^T (+ b) for a weight packed in panels of 16 output features: AVX-512 (one zmm per panel step) or
+// AVX2 (two ymm).
 //
 // Layout: W [N, K] becomes P = N / 16 panels, each [K, 16] contiguous ([P, K, 16] in all): step k of a panel is
-// one 64-byte vector holding W[16p .. 16p + 15, k]. A tile of NP panels (16 * NP outputs) is computed for MT
-// activation rows at a time in MT * NP zmm accumulators: per k, NP weight vectors are loaded once and FMA'd
+// 64 bytes holding W[16p .. 16p + 15, k]. A tile of NP panels (16 * NP outputs) is computed for MT activation rows
+// at a time in MT * NP * kVecs vector accumulators: per k, the panels' weight vectors are loaded once and FMA'd
 // against MT broadcast activations. Tiles are split over threads; every row chunk of a tile reuses its panels
 // from L1/L2, so the weights stream from memory once per call whatever the number of rows.
 //
 // Decode (1-4 rows) is bound by how fast the weights are read: wide tiles (NP = 8 / 6 / 6) keep enough
-// independent accumulators in flight to hide FMA latency. Summation over k is sequential per output, so
+// independent accumulators in flight to hide FMA latency (AVX2, 16 registers: 6 / 2 panels, or 1 panel x 4 rows). Summation over k is sequential per output, so
 // results differ from other GEMMs only by rounding order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -15,28 +16,52 @@
 
 #include "registry.h"
 
-#ifdef __AVX512F__
 namespace {
+
+#ifdef __AVX512F__
+struct Panel {  // one zmm per panel step
+  using F = __m512;
+  static constexpr int kVecs = 1, kLanes = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#else
+struct Panel {  // two ymm per panel step
+  using F = __m256;
+  static constexpr int kVecs = 2, kLanes = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
 
 template <int MT, int NP>
 inline void tile(const float* __restrict x, int64_t K, const float* const* w, const float* bias,
                  float* __restrict y, int64_t N) {
-  __m512 acc[MT][NP];
+  constexpr int V = NP * Panel::kVecs;  // vectors per row of the tile
+  Panel::F acc[MT][V];
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[m][j] = Panel::zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NP];
-    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w[j] + k * 16);
+    Panel::F wv[V];
+    for (int j = 0; j < V; ++j) wv[j] = Panel::load(w[j / Panel::kVecs] + k * 16 + (j % Panel::kVecs) * Panel::kLanes);
     for (int m = 0; m < MT; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
-      for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_fmadd_ps(xb, wv[j], acc[m][j]);
+      const Panel::F xb = Panel::set1(x[m * K + k]);
+      for (int j = 0; j < V; ++j) acc[m][j] = Panel::fma(xb, wv[j], acc[m][j]);
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NP; ++j) {
-      __m512 v = acc[m][j];
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
-      _mm512_storeu_ps(y + m * N + j * 16, v);
+    for (int j = 0; j < V; ++j) {
+      Panel::F v = acc[m][j];
+      if (bias != nullptr) v = Panel::add(v, Panel::load(bias + j * Panel::kLanes));
+      Panel::store(y + m * N + j * Panel::kLanes, v);
     }
 }
 
@@ -100,20 +125,21 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#ifdef __AVX512F__
   if (M == 1) run<8, 1>(xp, M, K, wp, panels, b, yp);
   else if (M == 2) run<6, 2>(xp, M, K, wp, panels, b, yp);
   else run<6, 4>(xp, M, K, wp, panels, b, yp);
+#else
+  if (M == 1) run<6, 1>(xp, M, K, wp, panels, b, yp);
+  else if (M == 2) run<2, 2>(xp, M, K, wp, panels, b, yp);
+  else run<1, 4>(xp, M, K, wp, panels, b, yp);
+#endif
   return y;
 }
 
 void register_panel_gemm(pybind11::module_& m) {
   m.def("panel_pack", &panel_pack, "pack a [N, K] float32 weight into [N/16, K, 16] panels");
-  m.def("panel_linear", &panel_linear, "x @ W^T + b with a panel-packed weight (AVX-512)");
+  m.def("panel_linear", &panel_linear, "x @ W^T + b with a panel-packed weight");
 }
 
 }  // namespace hf_accel::cpu
-#else
-namespace hf_accel::cpu {
-void register_panel_gemm(pybind11::module_& m) { (void)m; }  // AVX-512 builds only
-}  // namespace hf_accel::cpu
-#endif
