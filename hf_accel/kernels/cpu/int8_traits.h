@@ -18,6 +18,7 @@ struct Avx2 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static float sum(F v) { return hsum(v); }
 };
@@ -34,6 +35,7 @@ struct Avx512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static float sum(F v) { return _mm512_reduce_add_ps(v); }
 };

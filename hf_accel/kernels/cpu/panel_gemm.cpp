@@ -14,44 +14,29 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "int8_traits.h"
 #include "registry.h"
 
 namespace {
 
+// The build's widest vectors (int8_traits.h); a 16-wide panel step is kVecs of them.
 #ifdef __AVX512F__
-struct Panel {  // one zmm per panel step
-  using F = __m512;
-  static constexpr int kVecs = 1, kLanes = 16;
-  static F zero() { return _mm512_setzero_ps(); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
+using Panel = hf_accel::Avx512;
 #else
-struct Panel {  // two ymm per panel step
-  using F = __m256;
-  static constexpr int kVecs = 2, kLanes = 8;
-  static F zero() { return _mm256_setzero_ps(); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
+using Panel = hf_accel::Avx2;
 #endif
+constexpr int kVecs = 16 / Panel::kLanes;
 
 template <int MT, int NP>
 inline void tile(const float* __restrict x, int64_t K, const float* const* w, const float* bias,
                  float* __restrict y, int64_t N) {
-  constexpr int V = NP * Panel::kVecs;  // vectors per row of the tile
+  constexpr int V = NP * kVecs;  // vectors per row of the tile
   Panel::F acc[MT][V];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < V; ++j) acc[m][j] = Panel::zero();
   for (int64_t k = 0; k < K; ++k) {
     Panel::F wv[V];
-    for (int j = 0; j < V; ++j) wv[j] = Panel::load(w[j / Panel::kVecs] + k * 16 + (j % Panel::kVecs) * Panel::kLanes);
+    for (int j = 0; j < V; ++j) wv[j] = Panel::load(w[j / kVecs] + k * 16 + (j % kVecs) * Panel::kLanes);
     for (int m = 0; m < MT; ++m) {
       const Panel::F xb = Panel::set1(x[m * K + k]);
       for (int j = 0; j < V; ++j) acc[m][j] = Panel::fma(xb, wv[j], acc[m][j]);
