@@ -13,11 +13,10 @@
 
 namespace hf_accel::dot {
 
+using V = hf_accel::Widest;
 #ifdef __AVX512F__
-using V = hf_accel::Avx512;
 inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) { _mm_storeu_ps(out, hf_accel::sum4(a, b, c, d)); }
 #else
-using V = hf_accel::Avx2;
 inline void sum4(V::F a, V::F b, V::F c, V::F d, float* out) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));

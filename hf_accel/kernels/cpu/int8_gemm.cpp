@@ -6,11 +6,7 @@
 
 namespace hf_accel::cpu {
 
-#ifdef __AVX512F__
-using Lanes = hf_accel::Avx512;
-#else
-using Lanes = hf_accel::Avx2;
-#endif
+using Lanes = hf_accel::Widest;
 
 void register_int8(pybind11::module_& m) {
   m.def("int8_linear", &hf_accel::int8_linear<Lanes>, "weight-only int8 linear: x [M, K] fp32 @ (q [N, K] * scale)^T");

@@ -41,4 +41,11 @@ struct Avx512 {
 };
 #endif
 
+// The widest lanes this build has (AVX-512 builds: 16, the AVX2 build: 8).
+#ifdef __AVX512F__
+using Widest = Avx512;
+#else
+using Widest = Avx2;
+#endif
+
 }  // namespace hf_accel

@@ -23,11 +23,7 @@ torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight); 
 
 namespace {
 
-#ifdef __AVX512F__
-using V = hf_accel::Avx512;
-#else
-using V = hf_accel::Avx2;
-#endif
+using V = hf_accel::Widest;
 using hf_accel::dot::sum4;  // [sum(a), sum(b), sum(c), sum(d)] stored at out
 
 // Per-layer parameters, in this order (an absent one is an empty tensor).

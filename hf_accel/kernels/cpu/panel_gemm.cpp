@@ -20,11 +20,7 @@
 namespace {
 
 // The build's widest vectors (int8_traits.h); a 16-wide panel step is kVecs of them.
-#ifdef __AVX512F__
-using Panel = hf_accel::Avx512;
-#else
-using Panel = hf_accel::Avx2;
-#endif
+using Panel = hf_accel::Widest;
 constexpr int kVecs = 16 / Panel::kLanes;
 
 template <int MT, int NP>
