@@ -41,6 +41,7 @@ import torch
 
 import hf_accel
 from hf_accel.core.metrics import TimingStreamer
+from hf_accel.quant.codes import Codes, find_codes
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 CHAT = "Write a short poem about the sea."
@@ -157,9 +158,12 @@ def _paths(model: Any) -> dict[str, tuple[Callable[[], Any], str]]:
     return {
         "Transformers fp32": (lambda: copy.deepcopy(model), "fp32"),
         "Transformers bf16": (lambda: copy.deepcopy(model).to(torch.bfloat16), "bf16"),
-        "hf_accel default (fp32)": (patched(torch.float32), "fp32"),
+        "hf_accel default (fp32)": (patched(torch.float32), "codes"),
         "hf_accel native (fp32, no speculation)": (
-            patched(torch.float32, speculative=hf_accel.SpeculativeConfig()), "fp32"),
+            patched(torch.float32, speculative=hf_accel.SpeculativeConfig()), "codes"),
+        "hf_accel native (fp32, no speculation, exact_codes=False)": (
+            patched(torch.float32, speculative=hf_accel.SpeculativeConfig(),
+                    native=hf_accel.NativeConfig(exact_codes=False)), "fp32"),
         "hf_accel native=True (bf16 model: executor)": (patched(torch.bfloat16, native=True), "bf16"),
         "hf_accel int8 + native (fp32 activations)": (patched(torch.float32, int8=int8), "int8"),
         "hf_accel W8A8 + native": (patched(torch.float32, int8=hf_accel.Int8Config(activations="int8")), "int8"),
@@ -193,11 +197,22 @@ def _gguf_row(path: str, prompts: dict[str, torch.Tensor], text: torch.Tensor, a
         print("llama-cpp-python is not importable: the GGUF rows are skipped")
         return None
     llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
-    precision = "int8" if "q8" in Path(path).name.lower() else "bf16" if "bf16" in path.lower() else "fp32"
+    name = Path(path).name.lower()
+    precision = "int8" if "q8" in name else "bf16" if "bf16" in name else "codes" if "q4_1" in name else "fp32"
     row = _run(_time_llama, llm, prompts, args.new_tokens, args.repeats)
     del llm
     ppl = _ppl_llama(path, text) if args.ppl_tokens else None
     return {**row, "precision": precision, "builds": "llama.cpp", "ppl": ppl}
+
+
+def _code_bytes(model: Any) -> int:
+    """Bytes a decode step reads where the float32 weights run from their exact codes (hf_accel.quant.codes: the
+    default model is a de-quantized Q4_1 / Q8_0 GGUF): codes and (scale, offset) pairs, float32 elsewhere."""
+    total = 0
+    for param in model.parameters():
+        codes = find_codes(param.detach()) if param.dim() == 2 else None
+        total += codes.nbytes if isinstance(codes, Codes) else param.numel() * param.element_size()
+    return total
 
 
 def _print(rows: dict, limit: dict[str, float], ppl_tokens: int, prefill_gflop: float, peak: float) -> None:
@@ -245,10 +260,12 @@ def main() -> None:
     gbs, peak = bandwidth_gbs(), gemm_gflops()
     params = sum(p.numel() for p in model.parameters())
     prefill_gflop = _prompt_gflop(model, prompts["388"].shape[1])
-    limit = {"fp32": gbs * 1e9 / (4 * params), "bf16": gbs * 1e9 / (2 * params), "int8": gbs * 1e9 / params}
+    limit = {"fp32": gbs * 1e9 / (4 * params), "bf16": gbs * 1e9 / (2 * params), "int8": gbs * 1e9 / params,
+             "codes": gbs * 1e9 / _code_bytes(model)}  # fmt: skip
     print(f"host: {_host()}")
     print(f"read bandwidth {gbs:.1f} GB/s: batch-1 decode limit fp32 {limit['fp32']:.0f}, bf16 {limit['bf16']:.0f}, "
-          f"int8 {limit['int8']:.0f} tok/s; torch threads {torch.get_num_threads()}")  # fmt: skip
+          f"int8 {limit['int8']:.0f}, exact codes {limit['codes']:.0f} tok/s; torch threads "
+          f"{torch.get_num_threads()}")  # fmt: skip
     print(f"fp32 peak (torch.mm 2048^3) {peak:.0f} GFLOP/s; a 388-token prompt's products: {prefill_gflop:.1f} GFLOP")
     labels = [label for label in _paths(model) if label == "Transformers fp32" or re.search(args.paths, label)]
     labels += [f"{GGUF_PREFIX}{path}" for path in args.gguf]

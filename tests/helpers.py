@@ -126,3 +126,33 @@ def run_threads(work: list[Callable[[], None]], timeout: float = 240) -> None:
     assert not any(t.is_alive() for t in threads), "a thread hung"
     if errors:
         raise errors[0]
+
+
+def gguf_like(weight: torch.Tensor, kind: str = "q4_1") -> torch.Tensor:
+    """``weight`` [N, K] (K % 32 == 0) quantized and de-quantized as a GGUF file's blocks of 32 hold it, with the
+    gguf package's float32 arithmetic: ``"q4_1"`` (``fl(fl(d * q) + m)``, q in [0, 15], d and m float16), ``"q8_0"``
+    (``fl(d * q)``, q in [-127, 127]) or ``"q4_0"`` (``fl(d * (q - 8))``, d = max / -8)."""
+    g = weight.detach().float().reshape(-1, 32)
+    if kind == "q4_1":
+        lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+        d, m = ((hi - lo) / 15).half().float(), lo.half().float()
+        q = torch.where(d > 0, (g - lo) / d, torch.zeros_like(g)).round().clamp(0, 15)
+        return ((d * q) + m).view_as(weight)
+    if kind == "q8_0":
+        d = (g.abs().amax(1, keepdim=True) / 127).half().float()
+        q = torch.where(d > 0, g / d, torch.zeros_like(g)).round().clamp(-127, 127)
+        return (d * q).view_as(weight)
+    top = g.gather(1, g.abs().argmax(1, keepdim=True))  # q4_0: the signed value of largest magnitude maps to -8
+    d = (top / -8).half().float()
+    q = torch.where(d != 0, g / d + 8, torch.full_like(g, 8)).round().clamp(0, 15)
+    return (d * (q - 8)).view_as(weight)
+
+
+@torch.no_grad()
+def as_gguf(model: PreTrainedModel, linears: str = "q4_1") -> PreTrainedModel:
+    """``model`` (in place) with every linear weight as a de-quantized ``linears`` GGUF tensor and the embedding (the
+    tied head) as Q8_0: what Transformers' ``gguf_file=`` loading (or the default model) gives."""
+    for name, param in model.named_parameters():
+        if param.dim() == 2:
+            param.copy_(gguf_like(param, "q8_0" if "embed" in name or "lm_head" in name else linears))
+    return model

@@ -92,7 +92,7 @@ def test_patch_report_counts_changes():
             "max_ngram": 3,
             "auto": "self",
         },
-        "native": {"prompts": True, "half_precision": False},  # the CPU default for the Llama family
+        "native": {"prompts": True, "half_precision": False, "exact_codes": True},  # the CPU default (Llama)
     }
     assert report["implementations"]["default"]["configuration"]["uses"] == (
         "native executor + automatic self-speculation of greedy calls"

@@ -307,14 +307,20 @@ class NativeConfig:
             with float32 activations, reading its weights in place (docs/native.md); its own forward rounds after every
             operator, so greedy tokens can part from it at near-ties. ``native=True`` asks for it; the default patch of
             a float32 model sets ``False`` (a later cast hands the forward back to the model).
+        exact_codes: float32 weights that are exactly a de-quantized low-bit checkpoint's values (GGUF Q4_1 / Q8_0 /
+            Q4_0 / Q5_0, e.g. the default SmolLM2 model) run decode steps and verification chunks from those codes:
+            the same float32 weights bit for bit, 4-6x fewer bytes per step (docs/native.md). Costs the codes' memory
+            (~a fifth of the float weights) and, at patching, ~1.5 s per 100M parameters to find them.
     """
 
     prompts: bool = True
     half_precision: bool = True
+    exact_codes: bool = True
 
     def __post_init__(self) -> None:
         _check_bool(self, "prompts")
         _check_bool(self, "half_precision")
+        _check_bool(self, "exact_codes")
 
 
 #: feature name -> config class; the order is the order in which features are applied.

@@ -189,6 +189,10 @@ OPS: dict[str, OpSpec] = {
             _ALL, _half_fit, lambda x, w: {"dtype": w.dtype, "in_features": w.shape[1]},
         ),
         OpSpec(
+            "coded_linear", "(Tensor x, Tensor codes, Tensor params) -> Tensor", reference.coded_linear,
+            _rows_by_out, "coded_linear",
+        ),
+        OpSpec(
             "decoder_layers",
             "(Tensor h, Tensor[] flat, Tensor(a!)[] keys, Tensor(b!)[] values, int used, Tensor allowed, Tensor cos, "
             "Tensor sin, int heads, int kv_heads, float eps, float scaling, int mode) -> Tensor",

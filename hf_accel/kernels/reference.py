@@ -20,9 +20,12 @@ __all__ = [
     "ACT16_BLOCK",
     "ACT_BLOCK",
     "ACT_LANES",
+    "CODE_GROUP",
     "HALF_DTYPES",
     "HALF_MAX_ROWS",
     "W8A16_MAX_K",
+    "coded_linear",
+    "decode_codes",
     "decoder_layers",
     "decoder_layers_paged",
     "dense_attention",
@@ -166,6 +169,28 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+CODE_GROUP = 32  # weights per (scale, offset) pair of an exact-code weight
+
+
+def decode_codes(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """An exact-code weight (:mod:`hf_accel.quant.codes`) as float32 ``[N, K]``: ``fl(fl(d * c) + m)`` per element,
+    ``(d, m) = params [N, K / 32, 2]`` (float32 or float16), ``c`` from ``codes`` ``[N, K / 2]`` uint8 (4-bit: byte
+    ``j`` of a group holds elements ``j`` and ``j + 16``) or ``[N, K]`` int8."""
+    n, groups = params.shape[0], params.shape[1]
+    if codes.dtype == torch.uint8:
+        halves = codes.view(n, groups, CODE_GROUP // 2)
+        c = torch.cat((halves & 15, halves >> 4), dim=-1).float()  # [N, G, 32]
+    else:
+        c = codes.view(n, groups, CODE_GROUP).float()
+    params = params.float()  # float16 params widen exactly
+    return ((params[..., :1] * c) + params[..., 1:]).view(n, groups * CODE_GROUP)  # two roundings
+
+
+def coded_linear(x: torch.Tensor, codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` float32 @ the exact-code weight's float32 values^T -> ``[M, N]``."""
+    return x @ decode_codes(codes, params).T
+
+
 # -------------------------------------------------------------------------------------------- attention
 def token_slots(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     """Pool slots of a sequence's first ``n`` tokens through its block ``table`` ([blocks]) -> [n] int64."""
@@ -255,6 +280,8 @@ def _project(x: torch.Tensor, p: dict[str, torch.Tensor], name: str, mode: int) 
     weight, scale, bias = p[name], p[f"{name}_scale"], p[f"{name}_bias"]
     if weight.dtype in HALF_DTYPES:  # a half model: float32 sums for few rows, the half GEMM above
         y = x @ weight.float().T if x.shape[0] <= HALF_MAX_ROWS else (x.to(weight.dtype) @ weight.T).float()
+    elif scale.dim() == 3:  # exact codes of a float weight
+        y = coded_linear(x, weight, scale)
     elif weight.dtype != torch.int8:
         y = x @ weight.T
     elif mode == W8A8:

@@ -29,7 +29,9 @@ from transformers.cache_utils import DynamicLayer
 from ..core.config import NativeConfig
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
+from ..kernels.ops import choose
 from ..paged.cache import PagedCache
+from .coded import CODED_MAX_ROWS, CodeBook
 from .growing import GrowingLayer, to_growing
 from .half import apply_half_linears, half_unavailable
 from .paged import paged_hidden, paged_logits, serves_pool
@@ -47,9 +49,13 @@ _STEP_KWARGS = frozenset(
 
 
 def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
-    """Where and how every weight of ``model`` is stored: a new tensor (``model.to(...)``, ``param.data = ...``, a
-    replaced module) changes it; in-place updates keep the storage the executor reads, so they need not."""
-    return tuple((t.data_ptr(), t.dtype, t.device) for t in (*model.parameters(), *model.buffers()))
+    """Where and how every weight of ``model`` is stored, and its version counter: a new tensor (``model.to(...)``,
+    ``param.data = ...``, a replaced module) changes it, and so does an in-place update (the executor reads float
+    weights in place, but exact codes (:mod:`.coded`) were found in the old values)."""
+    return tuple(
+        (t.data_ptr(), t.dtype, t.device, -1 if t.is_inference() else t._version)
+        for t in (*model.parameters(), *model.buffers())
+    )
 
 
 class NativeForward:
@@ -68,9 +74,16 @@ class NativeForward:
     """
 
     def __init__(
-        self, model: nn.Module, step: LeanStep, inner: Callable[..., Any], prompts: bool, half: bool = True
+        self,
+        model: nn.Module,
+        step: LeanStep,
+        inner: Callable[..., Any],
+        prompts: bool,
+        half: bool = True,
+        codebook: CodeBook | None = None,
     ) -> None:
         self.step: LeanStep | None = step
+        self.codebook = codebook
         self.inner, self.prompts = inner, prompts
         #: half-precision weights run the executor too (``NativeConfig.half_precision``), after a cast as well
         self.half = half
@@ -80,16 +93,20 @@ class NativeForward:
         self.calls = 0  # calls that ran natively (for tests and reports)
         functools.update_wrapper(self, inner)  # generate inspects forward's signature
 
-    def _current(self) -> LeanStep | None:
-        """The executor for the model's weights as they are now (rebuilt once after they changed)."""
+    def _current(self, values: bool = False) -> LeanStep | None:
+        """The executor for the model's weights as they are now (rebuilt once after they changed; ``values``: also
+        compare the values sampled from weights that run as exact codes, for writes through ``.data``)."""
         model = self._model()
         if model is None:
             return None
         weights = _fingerprint(model)
         with self._lock:
-            if weights != self._weights:
-                self.step = LeanStep.exact(model, half=self.half)  # a float32 model cast to half: its own forward
+            stale = values and self.step is not None and self.step.codes_stale()
+            if weights != self._weights or stale:
+                self.step = LeanStep.exact(model, half=self.half, codebook=self.codebook)  # cast to half: its own
                 self._weights = weights
+                if self.step is None and self.codebook is not None:
+                    self.codebook.keep_only([])  # no executor: keep no old weights alive for codes
                 if self.step is None:
                     logger.warning("hf_accel: native: the model's weights changed and the executor cannot serve it "
                                    "any more; its own forward runs")  # fmt: skip
@@ -116,7 +133,7 @@ class NativeForward:
         fresh = cache.get_seq_length() == 0
         if fresh and not self.prompts:
             return None
-        step = self._current() if fresh else self.step  # a new sequence: are these still the weights it read?
+        step = self._current(values=True) if fresh else self.step  # a new sequence: still the weights it read?
         if step is None:
             return None
         to_growing(cache)  # in place, same contract: new tokens are written into spare capacity
@@ -194,10 +211,13 @@ def _plain_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     )
 
 
-def _executor(model: nn.Module, half: bool = True) -> tuple[str | None, LeanStep | None]:
-    """The executor's step for ``model``, or why there is none (``half``: half-precision weights may run it)."""
+def _executor(
+    model: nn.Module, half: bool = True, codebook: CodeBook | None = None
+) -> tuple[str | None, LeanStep | None]:
+    """The executor's step for ``model``, or why there is none (``half``: half-precision weights may run it;
+    ``codebook``: weights that are exact codes run from them)."""
     why = LeanStep.unsupported(model)
-    step = LeanStep.exact(model, half=half) if why is None else None  # built once where it serves the model
+    step = LeanStep.exact(model, half=half, codebook=codebook) if why is None else None  # built once where it serves
     if step is not None:
         return None, step
     if why is None:  # the layers are the family's, but no native build takes them (or half precision is off)
@@ -220,7 +240,8 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
         ``model.forward`` is set on the instance (recorded; ``unpatch_model`` removes it).
     """
     del parts
-    why, step = _executor(model, config.half_precision)
+    codebook = CodeBook() if config.exact_codes else None
+    why, step = _executor(model, config.half_precision, codebook)
     if step is None:
         recorder.note(FEATURE, f"executor not used: {why}")
         recorder.choose(FEATURE, "decoder_layers", "model forward", f"the executor cannot serve this model: {why}")
@@ -233,5 +254,31 @@ def apply_native(model: nn.Module, parts: ModelParts, config: NativeConfig, reco
     choice = step.native.choice
     recorder.choose(FEATURE, "decoder_layers", choice.impl, choice.why, choice.rejected)
     inner = model.__dict__.get("forward") or types.MethodType(type(model).forward, model)
-    native = NativeForward(model, step, inner, config.prompts, config.half_precision)
+    _record_codes(step, config, recorder)
+    native = NativeForward(model, step, inner, config.prompts, config.half_precision, codebook)
     recorder.set_instance_attr(FEATURE, model, "forward", native, "forward runs the native executor (dynamic cache)")
+
+
+def _record_codes(step: LeanStep, config: NativeConfig, recorder: Recorder) -> None:
+    """Say in ``patch_report`` which projections run from exact codes (``coded_linear``), or why none does."""
+    if not config.exact_codes:
+        recorder.choose(FEATURE, "coded_linear", "off", "NativeConfig(exact_codes=False)", {})
+        return
+    native = step.native
+    weights = [t for t in native.flat if t.dtype == torch.float32 and t.dim() == 2]
+    head = step.head.weight if type(step.head) is nn.Linear and step.head.weight.dtype == torch.float32 else None
+    summary = native.codebook.summary([*weights, *([] if head is None else [head])])
+    if not summary["coded"]:
+        why = "; ".join(summary["not"]) or "no float32 projection weights"
+        recorder.choose(FEATURE, "coded_linear", "float weights", f"no weight is exact codes: {why}", {})
+        return
+    choice = choose("coded_linear", "cpu")
+    recorder.choose(FEATURE, "coded_linear", choice.impl, choice.why, choice.rejected)
+    bits = "/".join(str(b) for b in summary["bits"])
+    recorder.note(
+        FEATURE,
+        f"exact {bits}-bit codes for {summary['coded']} of {summary['of']} float32 weights (decode steps and chunks "
+        f"of up to {CODED_MAX_ROWS} rows): {summary['code_bytes'] / 1e6:.0f} MB read per step instead of "
+        f"{summary['float_bytes'] / 1e6:.0f} MB, the same float32 values"
+        + (f"; not coded: {'; '.join(summary['not'])}" if summary["not"] else ""),
+    )

@@ -22,9 +22,10 @@ from transformers.activations import SiLUActivation
 
 from ..fused.mlp import FusedGatedMLP
 from ..kernels.ops import Choice, choose, native_builds
-from ..kernels.reference import HALF_DTYPES, W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
+from ..kernels.reference import HALF_DTYPES, LAYER_PARAMS, W8A8, W8A16, WEIGHT_ONLY, w8a16_fits
 from ..kernels.tuning import CPU
 from ..quant.linear import Int8Linear, w8a8_fits
+from .coded import CODED_MAX_ROWS, CodeBook
 from .growing import GrowingLayer
 
 __all__ = [
@@ -51,6 +52,8 @@ PROMPT_MASK_CELLS = CPU.prompt_mask_cells
 #: float weight dtypes the native layers read in place: float32, and a half-precision model's bfloat16 / float16
 #: (products widened to float32 in registers for few rows, the half GEMM for a prompt; activations stay float32)
 _FLOAT_DTYPES = (torch.float32, *HALF_DTYPES)
+#: where each projection's weight sits among a layer's parameters (its scales and bias follow it)
+_PROJECTION_AT = tuple(LAYER_PARAMS.index(name) for name in ("q", "k", "v", "o", "gate", "up", "down"))
 #: the int8 group-size multiple each build's layers need (their weight-only int8 kernel's lanes)
 _LANES = {"avx512vnni": 16, "avx512": 16, "avx2": 8}
 
@@ -168,10 +171,40 @@ class NativeLayers:
         #: every int8 projection is a W8A8 ``Int8Linear``: every chunk runs W8A8, the modules' own maths (the same
         #: integer-dot kernel), prompts included (:meth:`mode`, :meth:`LeanStep.takes_prompt`)
         self.int8_activations = False
+        #: the parameters with exact codes in place of float32 projection weights that have them (:mod:`.coded`),
+        #: for chunks of up to ``CODED_MAX_ROWS`` rows (:meth:`params`); ``None`` where none has codes
+        self.coded: list[torch.Tensor] | None = None
+        #: the float32 weights ``coded`` replaces (checked for in-place changes: :meth:`codes_stale`)
+        self.coded_weights: list[torch.Tensor] = []
+        self.codebook: CodeBook | None = None
         #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
         #: (at a batch of 4 rows and a ~450-token context the fp32 K/V of SmolLM2's 30 layers are ~80 MB, close to
         #: its int8 weights); a draft only proposes, so its keys' rounding can cost acceptance, never output
         self.kv_dtype = torch.float16
+
+    def use_codes(self, codebook: CodeBook) -> None:
+        """Run the float32 projection weights that are exact codes (``codebook``) from their codes in chunks of up to
+        ``CODED_MAX_ROWS`` rows."""
+        coded, replaced = list(self.flat), []
+        for layer in range(self.num_layers):
+            for at in _PROJECTION_AT:
+                i = layer * len(LAYER_PARAMS) + at
+                weight = self.flat[i]
+                codes = codebook.get(weight) if weight.dtype == torch.float32 and weight.dim() == 2 else None
+                if codes is not None:  # a half-precision weight runs half_linear, codes coded_linear
+                    coded[i], coded[i + 1] = codes.codes, codes.params if codes.bits < 16 else _absent()
+                    replaced.append(weight)
+        self.codebook = codebook
+        self.coded, self.coded_weights = (coded, replaced) if replaced else (None, [])
+
+    def codes_stale(self) -> bool:
+        """Whether a weight that runs from codes changed since they were found (the step must be rebuilt)."""
+        return self.codebook is not None and self.codebook.stale(self.coded_weights)
+
+    def params(self, rows: int) -> list[torch.Tensor]:
+        """The flat parameters a chunk of ``rows`` activation rows runs: codes where there are some and the chunk is
+        narrow, else the float weights."""
+        return self.coded if self.coded is not None and rows <= CODED_MAX_ROWS else self.flat
 
     def mode(self, rows: int, width: int) -> int:
         """How a chunk of ``rows`` activation rows (batch x width), ``width`` tokens wide, runs the int8
@@ -257,7 +290,7 @@ class NativeLayers:
         used = reserved[0][2]
         out = self.choice.fn(
             h.reshape(batch * width, hidden),
-            self.flat,
+            self.params(batch * width),
             [r[0] for r in reserved],
             [r[1] for r in reserved],
             used,
@@ -294,9 +327,9 @@ def paged_layers(
     batch, width, hidden = h.shape
     slots, tables, q_pos = plan
     out = native.paged_fn(
-        h.reshape(batch * width, hidden), native.flat, [p.keys for p in pools], [p.values for p in pools], slots,
-        tables, q_pos, cos.reshape(batch * width, -1), sin.reshape(batch * width, -1), native.heads, native.kv_heads,
-        native.eps, native.scaling, mode,
+        h.reshape(batch * width, hidden), native.params(batch * width), [p.keys for p in pools],
+        [p.values for p in pools], slots, tables, q_pos, cos.reshape(batch * width, -1),
+        sin.reshape(batch * width, -1), native.heads, native.kv_heads, native.eps, native.scaling, mode,
     )  # fmt: skip
     return out.view(batch, width, hidden)
 

@@ -25,6 +25,8 @@ from ..core.dispatch import is_tensor_parallel
 from ..kernels.ops import choose
 from ..kernels.reference import HALF_DTYPES, HALF_MAX_ROWS
 from ..kernels.tuning import CPU
+from ..quant.codes import Codes
+from .coded import CODED_MAX_ROWS, CodeBook
 from .layers import (
     PROMPT_MASK_CELLS,
     NativeLayers,
@@ -69,11 +71,27 @@ def _half_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return logits.float().view(*h.shape[:-1], -1)  # float32 logits: the sums were float32 (F.linear: a prompt)
 
 
-def _head(head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+def _coded_head(head: nn.Module, h: torch.Tensor, codes: Codes) -> torch.Tensor:
+    """A float32 head whose weight is exact codes, on few rows ``h [B, C, E]``: ``coded_linear``."""
+    flat = h.reshape(-1, h.shape[-1]).contiguous()  # [B*C, E]
+    if codes.bits == 16:  # float32 values that are all bfloat16 / float16 ones: widened exactly
+        fn = choose("half_linear", "cpu", dtype=codes.codes.dtype, in_features=flat.shape[1]).fn
+        logits = fn(flat, codes.codes)  # [B*C, V]
+    else:
+        logits = choose("coded_linear", "cpu").fn(flat, codes.codes, codes.params)  # [B*C, V]
+    logits = logits if head.bias is None else logits + head.bias
+    return logits.view(*h.shape[:-1], -1)
+
+
+def _head(
+    head: nn.Module, h: torch.Tensor, kernel: Callable[..., torch.Tensor] | None, codes: Codes | None = None
+) -> torch.Tensor:
     """The LM head on ``h [B, C, E]``. A weight-only int8 head runs hf_accel's kernel for any row count (its module
     de-quantizes the whole weight above 16 rows, the right trade for a prompt, not for a draft's guess checks), or
     ``kernel`` (``w8a16_linear`` / ``w8a8_linear`` of the native layers' build, as the layers ran) where its
     weight suits it. A half-precision head on float32 states (a half model's native layers): :func:`_half_head`."""
+    if codes is not None and h.dtype == torch.float32 and h.shape[0] * h.shape[1] <= CODED_MAX_ROWS:
+        return _coded_head(head, h, codes)
     if h.dtype == torch.float32 and type(head) is nn.Linear and head.weight.dtype in HALF_DTYPES:
         return _half_head(head, h)
     if not (
@@ -92,7 +110,13 @@ class LeanStep:
     Build it with :meth:`build`; call it with the step's tokens, its ragged layout and positions.
     """
 
-    def __init__(self, model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        native: bool = True,
+        kv_dtype: torch.dtype = torch.float16,
+        codebook: CodeBook | None = None,
+    ) -> None:
         base = model.model
         self.embed, self.rotary, self.norm, self.head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
         self.layers = list(base.layers[: model.config.num_hidden_layers])
@@ -105,6 +129,34 @@ class LeanStep:
         self.why_not_native = why if self.native is None else None
         if self.native is not None:
             self.native.kv_dtype = kv_dtype
+        #: the head's exact codes (:mod:`.coded`; ``None``: it has none, or no codebook was given)
+        self.head_codes: Codes | None = None
+        if codebook is not None and self.native is None:
+            codebook.keep_only([])  # nothing runs from codes: let go of the weights they were found in
+        if codebook is not None and self.native is not None:
+            self.native.use_codes(codebook)
+            weight = getattr(self.head, "weight", None)
+            if type(self.head) is nn.Linear and weight.dtype == torch.float32 and weight.is_cpu:
+                self.head_codes = codebook.get(weight)
+            read = [t for t in self.native.flat if t.dim() == 2 and t.dtype == torch.float32]
+            codebook.keep_only([*read, *([weight] if weight is not None else [])])
+
+    def step_bytes(self) -> tuple[int, int]:
+        """``(bytes, weights)``: what a one-row step of the native layers and the head reads (codes where it runs
+        from them), and how many weights that is (an int8 copy would read about as many bytes)."""
+        params = [t for t in (self.native.params(1) if self.native is not None else []) if t.dim() >= 2]
+        head = self.head.weight
+        count = sum(t.numel() * (2 if t.dtype == torch.uint8 else 1) for t in params if t.dim() == 2)  # 4-bit: 2/byte
+        read = sum(t.numel() * t.element_size() for t in params)  # weights or codes, and the codes' (d, m) pairs
+        read += self.head_codes.nbytes if self.head_codes is not None else head.numel() * head.element_size()
+        return read, count + head.numel()
+
+    def codes_stale(self) -> bool:
+        """Whether a weight this step runs from exact codes changed since they were found (rebuild the step)."""
+        if self.native is None or self.native.codebook is None:
+            return False
+        head = [self.head.weight] if self.head_codes is not None else []
+        return self.native.codebook.stale([*self.native.coded_weights, *head])
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
@@ -137,20 +189,23 @@ class LeanStep:
         return None
 
     @staticmethod
-    def exact(model: nn.Module, half: bool = False) -> LeanStep | None:
+    def exact(model: nn.Module, half: bool = False, codebook: CodeBook | None = None) -> LeanStep | None:
         """A step that runs ``model``'s own maths (float32 K/V; int8 projections weight-only, as its ``Int8Linear``
         layers compute them, never W8A16 / W8A8; W8A8 ones W8A8): a target's, or the ``native`` feature's plain
         decoding. ``None`` where no native layers apply (:meth:`unsupported` / :attr:`why_not_native` say why), and
         for half-precision weights unless ``half`` (the ``native`` feature asked of a half model: float32 activations
-        are not the half model's own rounding)."""
-        step = LeanStep.build(model, kv_dtype=torch.float32)
+        are not the half model's own rounding). With ``codebook``, float32 weights that are exact codes run from them
+        in narrow chunks (:mod:`.coded`): the same weights, fewer bytes."""
+        step = LeanStep.build(model, kv_dtype=torch.float32, codebook=codebook)
         if step is None or step.native is None or (step.native.half is not None and not half):
             return None
         step.native.w8a16 = step.native.w8a8 = False
         return step
 
     @staticmethod
-    def build(model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16) -> LeanStep | None:
+    def build(
+        model: nn.Module, native: bool = True, kv_dtype: torch.dtype = torch.float16, codebook: CodeBook | None = None
+    ) -> LeanStep | None:
         """A lean step for ``model``, or ``None`` where it does not apply (:meth:`unsupported` says why; the model's
         own forward then runs).
 
@@ -158,8 +213,9 @@ class LeanStep:
             model: the draft (or a speculative target's verification chunks: then ``kv_dtype=torch.float32``).
             native: run the layers natively where :class:`NativeLayers` applies (``False``: always the modules).
             kv_dtype: dtype of the K/V the native layers keep (:attr:`NativeLayers.kv_dtype`).
+            codebook: run float32 weights that are exact codes from them (:mod:`.coded`).
         """
-        return None if LeanStep.unsupported(model) is not None else LeanStep(model, native, kv_dtype)
+        return None if LeanStep.unsupported(model) is not None else LeanStep(model, native, kv_dtype, codebook)
 
     def takes_prompt(self, cache: Any, cells: int) -> bool:
         """Whether a prompt over ``cache`` may run here rather than through the model's forward: native layers with
@@ -222,7 +278,7 @@ class LeanStep:
         if hidden:
             return _rms_norm(self.norm, h).to(self.norm.weight.dtype)  # [B, C or last, E] in the model's dtype
         kernel = None if mode is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
-        return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C or last, V]
+        return _head(self.head, _rms_norm(self.norm, h), kernel, self.head_codes)  # [B, C or last, V]
 
     def paged_hidden(self, ids: torch.Tensor, positions: torch.Tensor, pools: Any, plan: Any) -> tuple[Any, int]:
         """A chunk's last hidden states over a paged pool, before the final norm: ``ids`` / ``positions`` ``[B, C]``,
@@ -240,7 +296,7 @@ class LeanStep:
     def logits(self, h: torch.Tensor, mode: int) -> torch.Tensor:
         """The final norm and the LM head on hidden states ``[B, C, E]`` from a chunk run with ``mode``."""
         kernel = None if self.native is None else self.native.head_kernel(mode, self.head, h.shape[0] * h.shape[1])
-        return _head(self.head, _rms_norm(self.norm, h), kernel)  # [B, C, V]
+        return _head(self.head, _rms_norm(self.norm, h), kernel, self.head_codes)  # [B, C, V]
 
     def _layers(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor, cache: Any

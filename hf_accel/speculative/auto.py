@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.call import GenerateCall
 from ..core.errors import IncompatibleOptionsError
+from ..native.apply import NativeForward
 from .rows import check_left_padding
 
 __all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
@@ -47,7 +48,29 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
     if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
         return "stop_strings without tokenizer="
-    return _padding_refusal(model, call)
+    return _padding_refusal(model, call) or _cheap_target(model)
+
+
+#: an automatic int8 self-draft must read at most this share of the bytes a target's step reads: each draft step
+#: costs about its bytes, and a round of k drafts and one verification only pays where k draft steps cost well under
+#: the k target steps they replace
+DRAFT_SHARE = 0.5
+
+
+def _cheap_target(model: nn.Module) -> str | None:
+    """Why the target's own decode steps are too cheap for an int8 draft to pay (``None``: they are not): the native
+    executor running the weights from exact 4-bit codes reads fewer bytes a step than an int8 copy would."""
+    forward = vars(model).get("forward")
+    step = forward.current_step() if isinstance(forward, NativeForward) else None
+    if step is None or (step.head_codes is None and (step.native is None or step.native.coded is None)):
+        return None
+    read, weights = step.step_bytes()
+    if weights <= DRAFT_SHARE * read:
+        return None
+    return (
+        f"the target's steps read exact codes ({read / 1e6:.0f} MB a step): an int8 draft's steps (~{weights / 1e6:.0f}"
+        f" MB) would cost about as much as the target steps they replace"
+    )
 
 
 def _inferred_mask(model: nn.Module, call: GenerateCall, ids: torch.Tensor) -> torch.Tensor | None:

@@ -16,6 +16,7 @@
 #include "int8_gemm_impl.h"
 #include "dot_tile.h"
 #include "int_dots.h"
+#include "coded_gemm_impl.h"
 
 namespace hf_accel::cpu {
 torch::Tensor half_linear(const torch::Tensor& x, const torch::Tensor& weight);  // half_gemm.cpp
@@ -121,6 +122,11 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
     if (bias.numel()) y.add_(bias);
     return y;
   }
+  if (scale.dim() == 3) {  // exact codes of a float weight (coded_gemm_impl.h): the caller keeps x's rows few
+    y = hf_accel::coded::coded_linear(x, weight, scale);
+    if (bias.numel()) y.add_(bias);
+    return y;
+  }
   if (dtype != torch::kChar) {
     if (!dot_fits(x, weight)) return at::linear(x, weight, bias.numel() ? bias : torch::Tensor());
     y = float_linear(x, weight);
@@ -136,10 +142,25 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
 }
 
 // The projections `which` of x (a layer's q / k / v, or gate / up) in one parallel region where they are all
-// weight-only int8 (int8_linear_many: one fork and join, not one per projection), else one by one (project).
+// weight-only int8 (int8_linear_many: one fork and join, not one per projection) or all exact codes
+// (coded_linear_many), else one by one (project).
 std::vector<torch::Tensor> project_many(const torch::Tensor& x, const std::vector<torch::Tensor>& p,
                                         std::initializer_list<size_t> which, int64_t mode) {
   std::vector<torch::Tensor> out;
+  if (std::all_of(which.begin(), which.end(), [&](size_t w) { return p[w + 1].dim() == 3; })) {
+    std::vector<torch::Tensor> codes, params;
+    for (size_t w : which) {
+      codes.push_back(p[w]);
+      params.push_back(p[w + 1]);
+    }
+    out = hf_accel::coded::coded_linear_many(x, codes, params);
+    size_t i = 0;
+    for (size_t w : which) {
+      if (p[w + 2].numel()) out[i].add_(p[w + 2]);
+      ++i;
+    }
+    return out;
+  }
   const bool joint = mode == kWeightOnly && std::all_of(which.begin(), which.end(), [&](size_t w) {
     return p[w].scalar_type() == torch::kChar;
   });

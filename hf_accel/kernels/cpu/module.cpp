@@ -18,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hf_accel::cpu::register_panel_gemm(m);
   hf_accel::cpu::register_decoder_layers(m);
   hf_accel::cpu::register_half_gemm(m);
+  hf_accel::cpu::register_coded_gemm(m);
 }

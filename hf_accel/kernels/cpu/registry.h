@@ -11,5 +11,6 @@ void register_paged_attention(pybind11::module_& m);
 void register_panel_gemm(pybind11::module_& m);
 void register_decoder_layers(pybind11::module_& m);
 void register_half_gemm(pybind11::module_& m);
+void register_coded_gemm(pybind11::module_& m);
 
 }  // namespace hf_accel::cpu
