@@ -226,6 +226,14 @@ def test_half_checkpoint_loaded_as_float32_runs_half_weights(dtype):
         assert torch.equal(got, expected), seed
 
 
+def test_int8_on_a_coded_model_says_the_default_is_lossless_and_faster():
+    model = hf_accel.patch_model(as_gguf(_tiny("llama")), int8=True)
+    notes = " ".join(hf_accel.patch_report(model)["changes"]["int8"])
+    assert "exact 4-bit codes of a quantized checkpoint" in notes
+    plain = hf_accel.patch_model(_tiny("llama"), int8=True)
+    assert "exact" not in " ".join(hf_accel.patch_report(plain)["changes"]["int8"])
+
+
 @native_only
 def test_float_model_reports_no_codes():
     patched = hf_accel.patch_model(_tiny("llama"), native=True, **NO_AUTO_SPECULATION)

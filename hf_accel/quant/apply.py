@@ -20,6 +20,7 @@ from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
+from .codes import Codes, find_codes
 from .core import dequantize, quantize
 from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
 from .model_apis import bind_model_apis, warn_lossy_unpatch
@@ -114,6 +115,21 @@ def _swap(
     recorder.release(FEATURE, "float weight released" if not keep else "float weight kept", [weight], restore)
 
 
+def _note_exact_codes(model: nn.Module, recorder: Recorder) -> None:
+    """Say where int8 is the slower choice: the first float32 linear is exact 4-bit / 8-bit codes of a quantized
+    checkpoint, which the native executor reads losslessly from fewer bytes (the default patch; docs/native.md)."""
+    linear = next((m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32), None)
+    codes = find_codes(linear.weight) if linear is not None and linear.weight.is_cpu else None
+    if isinstance(codes, Codes) and codes.bits < 16:
+        recorder.note(
+            FEATURE,
+            f"the float32 weights look like exact {codes.bits}-bit codes of a quantized checkpoint: the default patch "
+            "(no int8=) reads them losslessly, from fewer bytes than int8",
+        )
+        logger.info("hf_accel: int8: these float32 weights are exact codes of a quantized checkpoint; the default "
+                    "patch without int8= reads them losslessly and faster (docs/native.md)")  # fmt: skip
+
+
 def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder: Recorder) -> None:
     """Quantize every ``nn.Linear`` of the decoder layers and the LM head (minus ``skip_modules``).
 
@@ -128,6 +144,7 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
     backend = resolve_backend(config, device)
     _check(model, config, backend)
     recorder.note(FEATURE, f"backend {backend}")
+    _note_exact_codes(model, recorder)
     if backend == "bitsandbytes" and device.type == "cpu":
         logger.warning(
             "hf_accel: bitsandbytes int8 on CPU de-quantizes its weights on every call: about fp32 speed "

@@ -162,10 +162,11 @@ std::vector<int64_t> left_pads(const torch::Tensor& mask, int64_t used) {
 struct WideMask {
   std::vector<int64_t> pads;
   torch::Tensor allowed;
+  torch::ScalarType compute = torch::kFloat;  // the dtype attention computes in (a half model's: see attend_wide)
 };
 
 WideMask wide_mask(const torch::Tensor& mask, int64_t used) {
-  WideMask wide{left_pads(mask, used), torch::Tensor()};
+  WideMask wide{left_pads(mask, used), torch::Tensor(), torch::kFloat};
   if (!wide.pads.empty()) return wide;
   auto allowed = mask;  // [B, C, T]
   const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
@@ -179,17 +180,19 @@ WideMask wide_mask(const torch::Tensor& mask, int64_t used) {
 }
 
 // attend() for a wide chunk: at::scaled_dot_product_attention over the buffers' first T columns (float16 K/V read as
-// float32). With `wide.pads` each row runs causally over its real columns, its padding queries get zeros; otherwise
-// one call masked by `wide.allowed`.
+// float32), in `wide.compute`: float32, or a half-precision model's own dtype, where the prompt's products round to
+// it anyway (its flash attention is ~2x faster: 25 ms against 54 for SmolLM2's 30 layers over 388 tokens). With
+// `wide.pads` each row runs causally over its real columns, its padding queries get zeros; otherwise one call masked
+// by `wide.allowed`.
 // q [B*C, H*D]; kp / vp [B, H_kv, cap, D]; attn [B*C, H*D].
 template <typename KV>
 void attend_wide(const torch::Tensor& q, KV* kp, KV* vp, const WideMask& wide, torch::Tensor& attn, int64_t B,
                  int64_t C, int64_t T, int64_t cap, int64_t heads, int64_t kv_heads, int64_t D, float scaling) {
   const auto options = q.options().dtype(std::is_same_v<KV, float> ? torch::kFloat : torch::kHalf);
   // [B, H_kv, T, D] each
-  auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
-  auto values = torch::from_blob(vp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(torch::kFloat);
-  const auto queries = q.view({B, C, heads, D}).transpose(1, 2);  // [B, H, C, D]
+  auto keys = torch::from_blob(kp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(wide.compute);
+  auto values = torch::from_blob(vp, {B, kv_heads, cap, D}, options).narrow(2, 0, T).to(wide.compute);
+  const auto queries = q.view({B, C, heads, D}).transpose(1, 2).to(wide.compute);  // [B, H, C, D]
   auto out = attn.view({B, C, heads, D});
   const bool gqa = heads != kv_heads;
   if (!wide.pads.empty()) {
@@ -308,7 +311,13 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& 
   const auto mask = allowed.contiguous();
   const auto cs = cos.contiguous(), sn = sin.contiguous();
   const int64_t D = cs.size(1);
-  const auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
+  auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
+  for (const auto& t : flat) {  // a half-precision model (its weights or norms): its prompts attend in its dtype
+    if (t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf) {
+      wide.compute = t.scalar_type();
+      break;
+    }
+  }
   const float scale = static_cast<float>(scaling);
   auto attend = [&](size_t l, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                     torch::Tensor& attn) {
