@@ -87,6 +87,7 @@ def test_constant_and_zero_groups():
         (torch.randn(8, 48), "not a multiple of 32"),
         (torch.randn(8, 64).bfloat16(), "float32"),
         (torch.randn(64), "2-D"),
+        (torch.empty(8, 64, device="meta"), "meta"),
     ],
 )
 def test_weights_without_codes_say_why(weight, why):

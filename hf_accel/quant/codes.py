@@ -128,9 +128,12 @@ def find_codes(weight: torch.Tensor) -> Codes | str:
 
     Returns:
         :class:`Codes` whose :meth:`Codes.decode` equals ``weight`` exactly (``-0.0`` and ``0.0`` alike), or a
-        sentence saying why there are none (not float32, ``K`` not a multiple of 32, non-finite values, or a group
-        of 32 weights that no scale and offset reproduce and values that are not all bfloat16 / float16 ones).
+        sentence saying why there are none (a DTensor shard or a meta tensor, not float32, ``K`` not a multiple of
+        32, non-finite values, or a group of 32 weights that no scale and offset reproduce and values that are not
+        all bfloat16 / float16 ones).
     """
+    if callable(getattr(weight, "to_local", None)) or weight.device.type == "meta":
+        return "a sharded (DTensor) or meta weight: codes are found in a whole, materialised weight"
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return f"a {weight.dim()}-D {weight.dtype} weight (codes are found in 2-D float32 weights)"
     n, k = weight.shape
