@@ -16,9 +16,15 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-__all__ = ["weights_fingerprint"]
+__all__ = ["tensor_version", "weights_fingerprint"]
 
 _SAMPLES = 8  # values read from each tensor
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place operation autograd sees), or -1 for an inference tensor,
+    which keeps none."""
+    return -1 if t.is_inference() else t._version
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -43,8 +49,7 @@ def weights_fingerprint(model: nn.Module) -> Hashable:
         if t.device.type == "meta":
             meta.append((name, "meta"))
             continue
-        version = -1 if t.is_inference() else t._version  # inference tensors keep no counter (the samples remain)
-        meta.append((name, t.data_ptr(), version, tuple(t.shape), str(t.dtype)))
+        meta.append((name, t.data_ptr(), tensor_version(t), tuple(t.shape), str(t.dtype)))  # inference: the samples
         samples.append(_sample(t).to("cpu", non_blocking=False))
     values = torch.cat(samples).tolist() if samples else []
     return (tuple(meta), tuple(values))

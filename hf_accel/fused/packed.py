@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.fingerprint import tensor_version
 from ..kernels.ops import Choice, choose, define_composite
 
 __all__ = ["PackedLinear", "define_compiled_op", "packing_unavailable", "panel_choice", "unpack_linears"]
@@ -206,7 +207,7 @@ class PackedLinear(nn.Module):
         buffers; the packed weight is neither): loads, the packed tensor's identity and version (-1 for an inference
         tensor, packed under ``torch.inference_mode``: it keeps no counter)."""
         packed = self.packed
-        return (self.loads, id(packed), -1 if packed.is_inference() else packed._version)
+        return (self.loads, id(packed), tensor_version(packed))
 
     def __deepcopy__(self, memo: dict[int, object]) -> PackedLinear:
         # the opaque oneDNN tensor has no storage to copy: re-pack the dense values

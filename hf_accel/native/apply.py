@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..core.config import NativeConfig
+from ..core.fingerprint import tensor_version
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts
 from ..kernels.ops import choose
@@ -52,10 +53,7 @@ def _fingerprint(model: nn.Module) -> tuple[Any, ...]:
     """Where and how every weight of ``model`` is stored, and its version counter: a new tensor (``model.to(...)``,
     ``param.data = ...``, a replaced module) changes it, and so does an in-place update (the executor reads float
     weights in place, but exact codes (:mod:`.coded`) were found in the old values)."""
-    return tuple(
-        (t.data_ptr(), t.dtype, t.device, -1 if t.is_inference() else t._version)
-        for t in (*model.parameters(), *model.buffers())
-    )
+    return tuple((t.data_ptr(), t.dtype, t.device, tensor_version(t)) for t in (*model.parameters(), *model.buffers()))
 
 
 class NativeForward:
@@ -264,10 +262,7 @@ def _record_codes(step: LeanStep, config: NativeConfig, recorder: Recorder) -> N
     if not config.exact_codes:
         recorder.choose(FEATURE, "coded_linear", "off", "NativeConfig(exact_codes=False)", {})
         return
-    native = step.native
-    weights = [t for t in native.flat if t.dtype == torch.float32 and t.dim() == 2]
-    head = step.head.weight if type(step.head) is nn.Linear and step.head.weight.dtype == torch.float32 else None
-    summary = native.codebook.summary([*weights, *([] if head is None else [head])])
+    summary = step.native.codebook.summary(step.float_weights())
     if not summary["coded"]:
         why = "; ".join(summary["not"]) or "no float32 projection weights"
         recorder.choose(FEATURE, "coded_linear", "float weights", f"no weight is exact codes: {why}", {})

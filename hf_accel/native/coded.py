@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..core.fingerprint import tensor_version
 from ..quant.codes import Codes, find_codes
 
 __all__ = ["CODED_MAX_ROWS", "CodeBook"]
@@ -29,10 +30,6 @@ CODED_MAX_ROWS = 16
 _SAMPLES = 8  # values of each weight compared with the codes' when checking for writes through ``.data``
 
 
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version  # inference tensors keep no counter (the samples remain)
-
-
 def _sample_at(t: torch.Tensor) -> torch.Tensor:
     n = t.numel()
     return torch.arange(_SAMPLES, device=t.device) * max(1, n // _SAMPLES) % max(n, 1)
@@ -40,7 +37,7 @@ def _sample_at(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Entry:
-    weight: torch.Tensor  # the (detached) weight the codes were found in
+    weight: torch.Tensor  # the (detached) weight the codes were found in: held, so its storage is not reused
     version: int
     where: torch.Tensor  # flat indices sampled
     values: torch.Tensor  # the weight's values there when the codes were found
@@ -48,11 +45,10 @@ class _Entry:
     why: str  # why there are no codes ("" when there are)
 
     def current(self, weight: torch.Tensor) -> bool:
-        """Whether ``weight`` (the same storage) still holds the values the codes were found in."""
-        return (
-            self.weight.data_ptr() == weight.data_ptr()
-            and self.version == _version(weight)
-            and torch.equal(weight.detach().reshape(-1)[self.where], self.values)
+        """Whether ``weight`` (the same storage: entries are keyed by it) still holds the values the codes were found
+        in."""
+        return self.version == tensor_version(weight) and torch.equal(
+            weight.detach().reshape(-1)[self.where], self.values
         )
 
 
@@ -72,12 +68,8 @@ class CodeBook:
         self._lock = threading.Lock()
 
     def get(self, weight: torch.Tensor) -> Codes | None:
-        """``weight``'s exact codes, or ``None`` where it has none (:meth:`why_not` says why)."""
+        """``weight``'s exact codes, or ``None`` where it has none (:meth:`summary` says why)."""
         return self._entry(weight).codes
-
-    def why_not(self, weight: torch.Tensor) -> str:
-        """Why ``weight`` has no codes (``""`` when it has)."""
-        return self._entry(weight).why
 
     def _entry(self, weight: torch.Tensor) -> _Entry:
         with self._lock:
@@ -88,7 +80,7 @@ class CodeBook:
             codes, why = (found, "") if isinstance(found, Codes) else (None, found)
             where = _sample_at(weight)
             values = weight.detach().reshape(-1)[where].clone()
-            entry = _Entry(weight.detach(), _version(weight), where, values, codes, why)
+            entry = _Entry(weight.detach(), tensor_version(weight), where, values, codes, why)
             self._entries[_key(weight)] = entry
             return entry
 

@@ -174,7 +174,7 @@ class NativeLayers:
         #: the parameters with exact codes in place of float32 projection weights that have them (:mod:`.coded`),
         #: for chunks of up to ``CODED_MAX_ROWS`` rows (:meth:`params`); ``None`` where none has codes
         self.coded: list[torch.Tensor] | None = None
-        #: the float32 weights ``coded`` replaces (checked for in-place changes: :meth:`codes_stale`)
+        #: the float32 weights ``coded`` replaces (checked for in-place changes: ``LeanStep.codes_stale``)
         self.coded_weights: list[torch.Tensor] = []
         self.codebook: CodeBook | None = None
         #: dtype of the K/V the native steps keep in the cache's growing layers: float16 halves what a step streams
@@ -196,10 +196,6 @@ class NativeLayers:
                     replaced.append(weight)
         self.codebook = codebook
         self.coded, self.coded_weights = (coded, replaced) if replaced else (None, [])
-
-    def codes_stale(self) -> bool:
-        """Whether a weight that runs from codes changed since they were found (the step must be rebuilt)."""
-        return self.codebook is not None and self.codebook.stale(self.coded_weights)
 
     def params(self, rows: int) -> list[torch.Tensor]:
         """The flat parameters a chunk of ``rows`` activation rows runs: codes where there are some and the chunk is

@@ -131,15 +131,19 @@ class LeanStep:
             self.native.kv_dtype = kv_dtype
         #: the head's exact codes (:mod:`.coded`; ``None``: it has none, or no codebook was given)
         self.head_codes: Codes | None = None
-        if codebook is not None and self.native is None:
-            codebook.keep_only([])  # nothing runs from codes: let go of the weights they were found in
         if codebook is not None and self.native is not None:
             self.native.use_codes(codebook)
-            weight = getattr(self.head, "weight", None)
-            if type(self.head) is nn.Linear and weight.dtype == torch.float32 and weight.is_cpu:
-                self.head_codes = codebook.get(weight)
-            read = [t for t in self.native.flat if t.dim() == 2 and t.dtype == torch.float32]
-            codebook.keep_only([*read, *([weight] if weight is not None else [])])
+            if self._float_head():
+                self.head_codes = codebook.get(self.head.weight)
+            codebook.keep_only(self.float_weights())  # forget the codes of weights it no longer reads
+
+    def _float_head(self) -> bool:
+        return type(self.head) is nn.Linear and self.head.weight.dtype == torch.float32 and self.head.weight.is_cpu
+
+    def float_weights(self) -> list[torch.Tensor]:
+        """The float32 weights the native layers and the head read, for which exact codes may stand in."""
+        layers = [t for t in self.native.flat if t.dim() == 2 and t.dtype == torch.float32] if self.native else []
+        return [*layers, *([self.head.weight] if self._float_head() else [])]
 
     def step_bytes(self) -> tuple[int, int]:
         """``(bytes, weights)``: what a one-row step of the native layers and the head reads (codes where it runs

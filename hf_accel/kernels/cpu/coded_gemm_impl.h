@@ -5,7 +5,8 @@
 //
 // Each group's weights are rebuilt in registers with the same two roundings (a float32 product, then a float32 sum;
 // an empty asm statement keeps the compiler from contracting them into one FMA, which rounds once; with float16
-// params every product is exact, so one FMA gives the same value) and FMA'd with the float32 activations: the products of the float weights from 4-6x fewer bytes, different only in summation order.
+// params every product is exact, so one FMA gives the same value) and FMA'd with the float32 activations: the
+// products of the float weights from 4-6x fewer bytes, different only in summation order.
 // AVX-512 builds the 16 values of a 4-bit group's scale and offset once per group and looks the codes up with
 // vpermps; AVX2 converts each code. Tiles of kCodedRows weight rows share each activation load, up to four activation
 // rows share each rebuilt weight vector, prefetches run ahead of the tile in both streams, and the tiles of several
@@ -173,7 +174,7 @@ void product_tile(const float* x, const void* codes, bool four, const P* params,
     pp = source;
   } else {
     thread_local std::vector<float> wide;  // this tile's params as float32
-    wide.resize(rows * (K / kGroup) * 2);
+    wide.resize(rows * G * 2);
     widen(source, wide.data(), static_cast<int64_t>(wide.size()));
     pp = wide.data();
   }
@@ -189,8 +190,8 @@ inline bool fits(const torch::Tensor& x, const torch::Tensor& codes, const torch
   const bool four = codes.scalar_type() == torch::kByte;
   return x.dim() == 2 && x.scalar_type() == torch::kFloat && x.size(0) <= kMaxRows && codes.dim() == 2 &&
          (four || codes.scalar_type() == torch::kChar) && codes.is_contiguous() && params.dim() == 3 &&
-         (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) && params.is_contiguous() && params.size(2) == 2 &&
-         params.size(0) == codes.size(0) && x.size(1) == params.size(1) * kGroup &&
+         (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) && params.is_contiguous() &&
+         params.size(2) == 2 && params.size(0) == codes.size(0) && x.size(1) == params.size(1) * kGroup &&
          codes.size(1) * (four ? 2 : 1) == x.size(1);
 }
 

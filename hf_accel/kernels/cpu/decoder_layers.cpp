@@ -166,7 +166,7 @@ struct WideMask {
 };
 
 WideMask wide_mask(const torch::Tensor& mask, int64_t used) {
-  WideMask wide{left_pads(mask, used), torch::Tensor(), torch::kFloat};
+  WideMask wide{left_pads(mask, used), torch::Tensor()};
   if (!wide.pads.empty()) return wide;
   auto allowed = mask;  // [B, C, T]
   const auto blind = allowed.any(-1).logical_not();  // [B, C] queries with nothing to see
@@ -311,11 +311,14 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<torch::Tensor>& 
   const auto mask = allowed.contiguous();
   const auto cs = cos.contiguous(), sn = sin.contiguous();
   const int64_t D = cs.size(1);
-  auto wide = C >= kWideChunk ? wide_mask(mask, used) : WideMask();
-  for (const auto& t : flat) {  // a half-precision model (its weights or norms): its prompts attend in its dtype
-    if (t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf) {
-      wide.compute = t.scalar_type();
-      break;
+  WideMask wide;
+  if (C >= kWideChunk) {
+    wide = wide_mask(mask, used);
+    for (const auto& t : flat) {  // a half-precision model (its weights or norms): its prompts attend in its dtype
+      if (t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf) {
+        wide.compute = t.scalar_type();
+        break;
+      }
     }
   }
   const float scale = static_cast<float>(scaling);

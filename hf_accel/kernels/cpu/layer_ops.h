@@ -141,39 +141,26 @@ torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& 
   return y;
 }
 
-// The projections `which` of x (a layer's q / k / v, or gate / up) in one parallel region where they are all
-// weight-only int8 (int8_linear_many: one fork and join, not one per projection) or all exact codes
-// (coded_linear_many), else one by one (project).
+// The projections `which` of x (a layer's q / k / v, or gate / up) in one parallel region where they are all exact
+// codes (coded_linear_many) or all weight-only int8 (int8_linear_many): one fork and join, not one per projection;
+// else one by one (project).
 std::vector<torch::Tensor> project_many(const torch::Tensor& x, const std::vector<torch::Tensor>& p,
                                         std::initializer_list<size_t> which, int64_t mode) {
+  const auto all = [&](auto pred) { return std::all_of(which.begin(), which.end(), pred); };
+  const bool coded = all([&](size_t w) { return p[w + 1].dim() == 3; });
+  const bool int8 = mode == kWeightOnly && all([&](size_t w) { return p[w].scalar_type() == torch::kChar; });
   std::vector<torch::Tensor> out;
-  if (std::all_of(which.begin(), which.end(), [&](size_t w) { return p[w + 1].dim() == 3; })) {
-    std::vector<torch::Tensor> codes, params;
-    for (size_t w : which) {
-      codes.push_back(p[w]);
-      params.push_back(p[w + 1]);
-    }
-    out = hf_accel::coded::coded_linear_many(x, codes, params);
-    size_t i = 0;
-    for (size_t w : which) {
-      if (p[w + 2].numel()) out[i].add_(p[w + 2]);
-      ++i;
-    }
-    return out;
-  }
-  const bool joint = mode == kWeightOnly && std::all_of(which.begin(), which.end(), [&](size_t w) {
-    return p[w].scalar_type() == torch::kChar;
-  });
-  if (!joint) {
+  if (!coded && !int8) {
     for (size_t w : which) out.push_back(project(x, p, w, mode));
     return out;
   }
-  std::vector<torch::Tensor> qs, scales;
+  std::vector<torch::Tensor> weights, scales;
   for (size_t w : which) {
-    qs.push_back(p[w]);
+    weights.push_back(p[w]);
     scales.push_back(p[w + 1]);
   }
-  out = hf_accel::int8_linear_many<V>(x, qs, scales);
+  out = coded ? hf_accel::coded::coded_linear_many(x, weights, scales)
+              : hf_accel::int8_linear_many<V>(x, weights, scales);
   size_t i = 0;
   for (size_t w : which) {
     if (p[w + 2].numel()) out[i].add_(p[w + 2]);

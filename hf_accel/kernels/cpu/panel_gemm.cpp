@@ -8,8 +8,8 @@
 // from L1/L2, so the weights stream from memory once per call whatever the number of rows.
 //
 // Decode (1-4 rows) is bound by how fast the weights are read: wide tiles (NP = 8 / 6 / 6) keep enough
-// independent accumulators in flight to hide FMA latency (AVX2, 16 registers: 6 / 2 panels, or 1 panel x 4 rows). Summation over k is sequential per output, so
-// results differ from other GEMMs only by rounding order.
+// independent accumulators in flight to hide FMA latency (AVX2, 16 registers: 6 / 2 panels, or 1 panel x 4 rows).
+// Summation over k is sequential per output, so results differ from other GEMMs only by rounding order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
