@@ -25,7 +25,7 @@ from hf_accel import (
         (lambda: PagedConfig(prefix_cache=1), "PagedConfig.prefix_cache must be a bool, got 1"),
         (
             lambda: PagedConfig(attention="flash"),
-            "PagedConfig.attention must be one of 'auto', 'kernel', 'batched', 'gather', got 'flash'",
+            "PagedConfig.attention must be one of 'auto', 'kernel', 'batched', 'flex', 'gather', got 'flash'",
         ),
         (
             lambda: SpeculativeConfig(strategy="magic"),

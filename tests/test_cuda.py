@@ -185,3 +185,71 @@ def test_triton_and_portable_attention_on_the_gpu(dtype, atol):
             want = expected if (window, softcap) == (0, 0.0) else reference.paged_attention(*args, 0.1, window, softcap)
             assert_close(fn(*args, 0.1, window, softcap).float(), want.float(), atol=atol, rtol=1e-3,
                          name=f"{name} {dtype} window={window} softcap={softcap}")  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_flex_attention_on_the_gpu(dtype, atol):
+    """FlexAttention over the pool, compiled with dynamic shapes: right for several batch / chunk shapes (one
+    compile), and no host synchronisation once compiled."""
+    from test_flex import _case
+
+    from hf_accel.kernels import flex_paged, reference
+
+    for shape in ((5, 8, 2, 3, 128, 16), (1, 8, 2, 1, 128, 16), (8, 32, 8, 4, 64, 16)):
+        args = [t.cuda() for t in _case(*shape, dtype)]  # stale table entries, a released row, a padding hole
+        for window, softcap in ((0, 0.0), (7, 0.0), (0, 30.0)):
+            want = reference.paged_attention(*args, 0.1, window, softcap)
+            assert_close(flex_paged.paged_attention(*args, 0.1, window, softcap).float(), want.float(), atol=atol,
+                         rtol=1e-3, name=f"flex {shape} {dtype} window={window} softcap={softcap}")  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flex_paged.paged_attention(*args, 0.1, 0, 0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_flex_greedy_identical_on_the_gpu(arch):
+    """``attention="flex"`` in float32 on CUDA: eager paged decode, verification chunks and the graph-captured step
+    give the unpatched model's tokens."""
+    torch._dynamo.reset()
+    dev = torch.device("cuda")
+    plain = tiny_model(arch).to(dev)
+    flex = PagedConfig(block_size=16, attention="flex")
+    patched = hf_accel.patch_model(tiny_model(arch).to(dev), **PLAIN_PATH, paged=flex)
+    assert hf_accel.patch_report(patched)["implementations"]["paged"]["paged_attention"]["uses"] == "cuda/flex"
+    ids, mask = _batch(dev)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS)
+    assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, paged=True, **NO_EOS),
+                       expected)  # fmt: skip
+    lookup = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, paged=True, prompt_lookup=True,
+                              num_speculative_tokens=3, **NO_EOS)  # fmt: skip
+    assert torch.equal(lookup, expected)
+    compiled = hf_accel.patch_model(tiny_model(arch).to(dev), **dict(PLAIN_PATH, compile=_compile_config(dev)),
+                                    paged=flex)  # fmt: skip
+    for _ in range(2):  # the second call replays the captured graphs
+        got = compiled.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, paged=True, **NO_EOS)
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.cuda
+def test_int8_device_kernel_switch_on_the_gpu():
+    """``use_device_kernel(False)`` runs the portable forms (exactly :func:`portable.int8_linear`), ``True`` the
+    Triton kernel; both in a compiled step too."""
+    from torch import nn
+
+    from hf_accel.kernels import triton_int8
+    from hf_accel.quant import Int8Linear
+
+    layer = Int8Linear.from_module(nn.Linear(256, 128)).cuda()
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    bias = layer.bias.to(x.dtype)
+    assert torch.equal(layer(x), triton_int8.int8_linear(x, layer.qweight, layer.scale) + bias)
+    layer.use_device_kernel(False)
+    assert torch.equal(layer(x), portable.int8_linear(x, layer.qweight, layer.scale) + bias)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    assert_close(compiled(x).float(), layer(x).float(), atol=0.05, rtol=1e-2, name="fused de-quantize form")

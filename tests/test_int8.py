@@ -261,3 +261,16 @@ def test_int8_layers_pickle_and_choose_their_kernel_again():
     loaded = torch.load(buffer, weights_only=False)
     x = torch.randn(2, 64)
     assert torch.equal(loaded(x), layer(x)) and loaded.choice == layer.choice
+
+
+def test_use_device_kernel_is_kept_across_moves_and_checked():
+    layer = Int8Linear.from_module(nn.Linear(64, 32))
+    x = torch.randn(2, 64)
+    want = layer(x)
+    assert layer.device_kernel
+    layer.use_device_kernel(False)  # a CUDA switch: the CPU kernel still runs
+    assert not layer.device_kernel and layer.cpu_native and torch.equal(layer(x), want)
+    layer = layer.to(torch.float32)  # a move binds the kernel again and keeps the switch
+    assert not layer.device_kernel
+    with pytest.raises(TypeError, match="use_device_kernel takes a bool"):
+        layer.use_device_kernel("no")

@@ -191,6 +191,29 @@ def test_head_screen_applies_where_it_can_and_follows_weight_changes():
     assert head_screen(tiny_model("llama", hidden_size=48, head_dim=12)) is None  # width not a multiple of 32
 
 
+@_VNNI
+def test_head_screen_of_an_inference_tensor_head():
+    """A model built under ``torch.inference_mode()`` has inference-tensor weights, which keep no version counter:
+    the screen is keyed on sampled values instead, and greedy speculation gives the unpatched model's tokens."""
+    with torch.inference_mode():
+        plain, base = tiny_model("llama"), tiny_model("llama")
+    assert base.lm_head.weight.is_inference()
+    first = head_screen(base)
+    assert isinstance(first, HeadScreen) and head_screen(base) is first
+    with torch.inference_mode():
+        base.lm_head.weight.mul_(1.5)  # every value, the sampled ones included
+    second = head_screen(base)
+    assert second is not first and torch.equal(second.weight, base.lm_head.weight)
+    with torch.inference_mode():
+        plain.lm_head.weight.mul_(1.5)
+    patched = hf_accel.patch_model(base)
+    ids, mask = _repetitive_batch(3)
+    greedy = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **greedy)
+    got = patched.generate(input_ids=ids, attention_mask=mask, prompt_lookup=True, **greedy)
+    assert torch.equal(got, expected)
+
+
 # ------------------------------------------------------------------------ the target's verification chunks
 def test_target_chunks_run_the_native_layers_with_float32_kv(monkeypatch):
     """Without a cache of the user's, the loop gives the target a growing cache and runs its verification chunks

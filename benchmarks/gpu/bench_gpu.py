@@ -2,9 +2,10 @@
 
 Writes ``results.md`` (one Markdown table) and ``results.json`` to ``--out``. Paths, batch 1 (a 128-token prompt):
 plain ``generate`` (DynamicCache, sdpa), Transformers static cache + compile, hf_accel paged (eager), paged +
-compiled step (CUDA graphs on CUDA), the same with the portable attention instead of the Triton kernel, int8
-weights + compiled step, and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token
-step). The 8B shape runs batch 1 without the portable variant. Batch 32 of mixed prompt lengths: plain ``generate``,
+compiled step (CUDA graphs on CUDA), the same with the portable attention and (on CUDA) FlexAttention instead of
+the Triton kernel, int8 weights + compiled step (on CUDA also with the de-quantize form in place of the Triton
+kernel), and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token step). The 8B
+shape runs batch 1 without the other attention candidates. Batch 32 of mixed prompt lengths: plain ``generate``,
 Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled and ``Engine`` (with its KV
 utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
 throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
@@ -152,10 +153,12 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], bool]]
            ("hf_accel int8 + compiled step", dict(PLAIN, compile=compiled, int8=int8), False)]  # fmt: skip
     if args.device.startswith("cuda"):  # the other in-graph int8 form (docs/cuda.md: chosen by measurement)
         out.append(("hf_accel int8 + compiled step, de-quantize form in the graph", out[-1][1], True))
-    if not args.big:  # the other attention candidate
-        batched = PagedConfig(attention="batched")
-        out.append(("hf_accel paged + compiled step, portable attention", dict(PLAIN, compile=compiled, paged=batched),
-                    False))  # fmt: skip
+    if not args.big:  # the other attention candidates (FlexAttention: CUDA only)
+        others = ["batched", "flex"] if args.device.startswith("cuda") else ["batched"]
+        names = {"batched": "portable attention", "flex": "FlexAttention"}
+        for mode in others:
+            out.append((f"hf_accel paged + compiled step, {names[mode]}",
+                        dict(PLAIN, compile=compiled, paged=PagedConfig(attention=mode)), False))  # fmt: skip
     return out
 
 
@@ -172,10 +175,10 @@ def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device:
             traceback.print_exc()
             rows.append({"path": name, "batch": 1, "error": f"patch_model: {type(err).__name__}: {err}"[:300]})
             continue
-        if dequantize:  # measurement only: every Int8Linear without its Triton op (the portable forms)
+        if dequantize:  # every Int8Linear on its portable forms instead of the Triton kernel
             for module in model.modules():
                 if isinstance(module, Int8Linear):
-                    module._device_op = ""
+                    module.use_device_kernel(False)
         try:
             rows.append(generate_row(name, gen(paged=True), 1, new, device))
             rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]

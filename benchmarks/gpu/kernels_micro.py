@@ -1,7 +1,7 @@
 """The kernels alone. Paged decode attention: the reference's per-row loop, the portable whole-batch implementation
-and (on CUDA) the Triton kernel, on one batch of mixed context lengths. Weight-only int8 linear at decode sizes: the
-float matmul of the same shape, the portable de-quantize form and (on CUDA) the Triton W8A16 kernel. Prints
-milliseconds per call (median of 20 after a warm-up).
+and (on CUDA) the Triton kernel and FlexAttention over the pool, on one batch of mixed context lengths. Weight-only
+int8 linear at decode sizes: the float matmul of the same shape, the portable de-quantize form and (on CUDA) the
+Triton W8A16 kernel. Prints milliseconds per call (median of 20 after a warm-up).
 
     python benchmarks/gpu/kernels_micro.py --device cuda --dtype bfloat16 --batch 32 --max-context 2048
     python benchmarks/gpu/kernels_micro.py --device cpu   # docs/log/2026-12-06-cuda-cpu-side.md
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hf_accel.kernels import portable, reference, triton_int8, triton_paged
+from hf_accel.kernels import flex_paged, portable, reference, triton_int8, triton_paged
 
 
 def case(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
@@ -93,6 +93,13 @@ def main() -> None:
     paths = {"reference (per-row loop)": reference.paged_attention, "portable (whole batch)": portable.paged_attention}
     if args.device.startswith("cuda") and triton_paged.load()[0] is not None:
         paths["triton (one launch)"] = triton_paged.paged_attention
+    if flex_paged.why_not(torch.device(args.device)) is None:
+        paths["FlexAttention (compiled, dynamic shapes)"] = flex_paged.paged_attention
+        # Inductor's flex-decoding kernel (GQA heads share K/V reads) needs a static batch: is it worth buckets?
+        from torch.nn.attention.flex_attention import flex_attention
+
+        static = torch.compile(flex_attention, dynamic=False)
+        paths["FlexAttention (compiled, static shapes)"] = flex_paged.make_paged_attention(static)
     scale = args.head_dim**-0.5
     for name, fn in paths.items():
         ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)

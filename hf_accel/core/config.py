@@ -90,7 +90,8 @@ class PagedConfig:
         attention: decode-path attention: ``"auto"`` (native kernel on CPU when it builds; on CUDA the Triton kernel,
             or without Triton, like other accelerators, the batched portable implementation; else ``"gather"``),
             ``"kernel"`` (error when none of these applies), ``"batched"`` (the portable implementation, on any
-            device) or ``"gather"`` (gather each row's context, then SDPA, row by row).
+            device), ``"flex"`` (PyTorch's FlexAttention over the pool, compiled by Inductor: CUDA / XPU only) or
+            ``"gather"`` (gather each row's context, then SDPA, row by row).
     """
 
     block_size: int = 16
@@ -99,7 +100,7 @@ class PagedConfig:
     prefix_cache: bool = False
     attention: str = "auto"
 
-    ATTENTION_MODES: ClassVar[tuple[str, ...]] = ("auto", "kernel", "batched", "gather")
+    ATTENTION_MODES: ClassVar[tuple[str, ...]] = ("auto", "kernel", "batched", "flex", "gather")
 
     def __post_init__(self) -> None:
         _check_int(self, "block_size", minimum=1)

@@ -16,7 +16,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-__all__ = ["tensor_version", "weights_fingerprint"]
+__all__ = ["tensor_key", "tensor_version", "weights_fingerprint"]
 
 _SAMPLES = 8  # values read from each tensor
 
@@ -25,6 +25,15 @@ def tensor_version(t: torch.Tensor) -> int:
     """``t``'s version counter (bumped by every in-place operation autograd sees), or -1 for an inference tensor,
     which keeps none."""
     return -1 if t.is_inference() else t._version
+
+
+def tensor_key(t: torch.Tensor) -> Hashable:
+    """What a cache built from ``t`` is keyed on: its storage pointer and version counter; an inference tensor keeps no
+    version counter, so its key holds a few sampled values instead (an in-place edit is seen where it touches one)."""
+    version = tensor_version(t)
+    if version >= 0:
+        return (t.data_ptr(), version)
+    return (t.data_ptr(), version, tuple(_sample(t).tolist()))
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:

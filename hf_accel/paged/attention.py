@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
-from ..kernels import portable
+from ..kernels import flex_paged, portable
 from ..kernels.ops import Choice, choose
 from ..kernels.reference import dense_attention
 from ..kernels.tuning import CPU
@@ -49,7 +49,6 @@ __all__ = [
     "DECODE_MAX_QUERY",
     "PagedMask",
     "attention_choice",
-    "kernel_usable",
     "paged_name",
     "register",
     "step_attention",
@@ -230,17 +229,20 @@ def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_
     ``paged_attention`` build (:func:`hf_accel.kernels.ops.choose`) where it takes the pool, else the gather path.
 
     Args:
-        mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"``, ``"batched"`` or ``"gather"``.
+        mode: the cache's ``attention`` option: ``"auto"``, ``"kernel"``, ``"batched"``, ``"flex"`` or ``"gather"``.
         device / dtype / block_size / head_dim: the pool's.
 
     Raises:
-        IncompatibleOptionsError: ``mode="kernel"`` where no native build takes the pool.
+        IncompatibleOptionsError: ``mode="kernel"`` where no native build takes the pool; ``mode="flex"`` where
+            FlexAttention is not compiled (:func:`hf_accel.kernels.flex_paged.why_not`).
     """
     choice = choose("paged_attention", device, dtype=dtype, block_size=block_size, head_dim=head_dim)
     if mode == "batched":
         return Choice(choice.op, f"{device.type}/portable", portable.paged_attention,
                       "PagedCache(attention='batched') asked for it (the implementation accelerators run)",
                       {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
+    if mode == "flex":
+        return _flex_choice(choice, device)
     if mode == "gather":
         return Choice(choice.op, "gather", gather_attention, "PagedCache(attention='gather') asked for it",
                       {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
@@ -256,25 +258,33 @@ def attention_choice(mode: str, device: torch.device, dtype: torch.dtype, block_
     return choice
 
 
+def _flex_choice(choice: Choice, device: torch.device) -> Choice:
+    """``attention="flex"``: FlexAttention over the pool (:mod:`hf_accel.kernels.flex_paged`) where Inductor compiles
+    it, else an error that says what to use."""
+    why = flex_paged.why_not(device)
+    if why is not None:
+        raise IncompatibleOptionsError(f"PagedCache(attention='flex') cannot run on {device}: {why}")
+    return Choice(choice.op, f"{device.type}/flex", flex_paged.paged_attention, flex_paged.WHY,
+                  {choice.impl: "not asked for", **choice.rejected})  # fmt: skip
+
+
 def step_attention(choice: Choice) -> str:
     """What a compiled step's ``hf_accel::paged_decode`` runs for the cache's :func:`attention_choice`:
-    ``"native"`` (a CPU build), ``"triton"``, ``"portable"`` or ``"reference"`` (the gather path's maths, for the
-    whole batch)."""
+    ``"native"`` (a CPU build), ``"triton"``, ``"portable"``, ``"flex"`` or ``"reference"`` (the gather path's maths,
+    for the whole batch)."""
     if choice.impl.endswith("/portable"):
         return "portable"
+    if choice.impl.endswith("/flex"):
+        return "flex"
     if choice.impl == "cuda/triton":
         return "triton"
     return "native" if choice.impl.startswith("cpu/") else "reference"
 
 
 def _accelerator_path(layer: PagedLayer) -> bool:
-    """Whether the layer's decode attention is an accelerator's (Triton or portable): prefill then batches too."""
-    return step_attention(layer.attention) in ("portable", "triton")
-
-
-def kernel_usable(mode: str, device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
-    """Whether decode-sized chunks over such a pool run the native kernel (:func:`attention_choice`)."""
-    return attention_choice(mode, device, dtype, block_size, head_dim).native
+    """Whether the layer's decode attention is an accelerator's (Triton, FlexAttention or portable): prefill then
+    batches too."""
+    return step_attention(layer.attention) in ("portable", "triton", "flex")
 
 
 def _use_kernel(layer: PagedLayer, query: torch.Tensor) -> bool:
@@ -378,18 +388,8 @@ def attend_packed(
         start, n = packed.offsets[row], packed.lengths[row]
         chunk = slice(start, start + n)
         positions = step.q_pos[row, :n].tolist()
-        o = _attend_row(
-            layer,
-            step,
-            row,
-            query[0][:, chunk],
-            key[0][:, chunk],
-            value[0][:, chunk],
-            positions,
-            scale,
-            window,
-            softcap,
-        )  # [H_q, n, D]
+        q, k, v = query[0][:, chunk], key[0][:, chunk], value[0][:, chunk]
+        o = _attend_row(layer, step, row, q, k, v, positions, scale, window, softcap)  # [H_q, n, D]
         out[chunk] = o.transpose(0, 1).to(out.dtype)
     return out[None]
 

@@ -25,7 +25,7 @@ from ..core.fingerprint import weights_fingerprint
 from ..core.lease import exclusive
 from ..core.protocols import RowRollback
 from ..core.registry import supported_model_types
-from .attention import attention_choice
+from .attention import attention_choice, step_attention
 from .blocks import BlockCopy, BlockManager
 from .export import dense_kv
 from .layer import PagedLayer
@@ -107,6 +107,8 @@ class PagedCache(Cache, RowRollback):
         super().__init__(layers=[PagedLayer(self, i, shape, spec.dtype, d) for i, d in enumerate(spec.devices)])
         for layer in self.layers:  # how decode-sized chunks attend (one choice per device, reported)
             layer.attention = attention_choice(attention, layer.device, spec.dtype, block_size, spec.head_dim)
+            if step_attention(layer.attention) == "flex":
+                layer.zero_fill()
         self._rows: list[int | None] = []  # per batch row: sequence id, or None once released
         self._length = 0  # logical (padded) length, what Transformers sees
         self._step: StepPlan | None = None

@@ -46,6 +46,7 @@ class PagedLayer(CacheLayerMixin):
         self.dtype = dtype
         self.keys = torch.empty(shape, dtype=dtype, device=device)  # [NB, BS, H_kv, D]; never read before written
         self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.zeroed = False  # pools zero-filled (and kept so as they grow): attention that reads whole blocks
         self.is_initialized = True
         self.pending = False  # K/V handed out by update() and not yet written by the attention function
         self.attention: Any = None  # how decode-sized chunks attend (a kernels.ops.Choice; set by the cache)
@@ -112,11 +113,20 @@ class PagedLayer(CacheLayerMixin):
         """Reallocate the pools with ``num_blocks`` blocks, keeping the stored ones (between forwards only)."""
         old = self.keys.shape[0]
         shape = (num_blocks, *self.keys.shape[1:])
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)  # [NB', BS, H_kv, D]
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        new = torch.zeros if self.zeroed else torch.empty
+        keys = new(shape, dtype=self.dtype, device=self.device)  # [NB', BS, H_kv, D]
+        values = new(shape, dtype=self.dtype, device=self.device)
         keys[:old].copy_(self.keys)
         values[:old].copy_(self.values)
         self.keys, self.values = keys, values
+
+    def zero_fill(self) -> None:
+        """Zero the pools, and allocate zeroed blocks from now on: for attention that reads a row's partial last block
+        whole (FlexAttention), where a never-written slot must hold a finite value (a masked score times NaN is
+        NaN). Called by the cache before anything is stored."""
+        self.keys.zero_()
+        self.values.zero_()
+        self.zeroed = True
 
     # --- pool access ---
     def write(self, key: torch.Tensor, value: torch.Tensor, step: StepPlan) -> None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import portable, reference, triton_paged
+from ..kernels import flex_paged, portable, reference, triton_paged
 from ..kernels.ops import choose, define_composite
 
 __all__ = ["DecodePlan", "define_paged_op"]
@@ -29,7 +29,8 @@ class DecodePlan(NamedTuple):
         q_pos: ``[B, Q]`` int32 index of each new token in its sequence; -1 for a token not stored.
         keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
         attention: how to attend, as the cache chose (:func:`~.attention.attention_choice`): ``"native"`` (the
-            CPU kernel), ``"triton"`` (:mod:`hf_accel.kernels.triton_paged`), ``"portable"``
+            CPU kernel), ``"triton"`` (:mod:`hf_accel.kernels.triton_paged`), ``"flex"``
+            (:mod:`hf_accel.kernels.flex_paged`), ``"portable"``
             (:func:`hf_accel.kernels.portable.paged_attention`) or ``"reference"``
             (:func:`hf_accel.kernels.reference.paged_attention`).
     """
@@ -78,6 +79,8 @@ def _paged_decode(
         attend = choose("paged_attention", "cpu", dtype=query.dtype).fn
     elif attention == "triton":
         attend = triton_paged.paged_attention
+    elif attention == "flex":
+        attend = flex_paged.paged_attention
     else:
         attend = portable.paged_attention if attention == "portable" else reference.paged_attention
     return attend(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)

@@ -95,6 +95,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qw.qweight)
         self.register_buffer("scale", qw.scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        #: on CUDA, run the Triton W8A16 kernel where it loads (``False``: the portable de-quantize form, which a
+        #: compiled step fuses; :meth:`use_device_kernel`)
+        self.device_kernel = True
         self._bind_kernel()
 
     def _bind_kernel(self) -> None:
@@ -107,9 +110,23 @@ class Int8Linear(nn.Module):
         self._fn = self.choice.fn if cpu else None
         self._cpu_kernel = self.choice.op if cpu else ""
         # on an accelerator: the op's Triton kernel (kept opaque in a compiled step), else the portable form
-        self._device_op = self.choice.op if self.choice.impl == "cuda/triton" else ""
+        triton = self.choice.impl == "cuda/triton" and getattr(self, "device_kernel", True)
+        self._device_op = self.choice.op if triton else ""
         if self._cpu_kernel or self._device_op:
             op(self._cpu_kernel or self._device_op)  # torch.ops.hf_accel.<op>: what a compiled step runs (opaque)
+
+    def use_device_kernel(self, enabled: bool) -> None:
+        """On CUDA, run the Triton W8A16 kernel (``True``, the default where Triton loads) or the portable forms
+        (``False``: a de-quantized copy eagerly, the de-quantize form that Inductor fuses into the matmul in a
+        compiled step): how the GPU benchmark compares the two. Kept across ``.to()``; no effect on the CPU.
+
+        Raises:
+            TypeError: ``enabled`` is not a bool.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"use_device_kernel takes a bool, got {type(enabled).__name__}")
+        self.device_kernel = enabled
+        self._bind_kernel()
 
     @property
     def cpu_native(self) -> bool:

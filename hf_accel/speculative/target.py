@@ -4,12 +4,14 @@ and verification chunks and prompts through the native executor (:mod:`hf_accel.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..core.dispatch import is_tensor_parallel
+from ..core.fingerprint import tensor_key
 from ..kernels.ops import choose
 from ..kernels.reference import w8a16_fits
 from ..native.apply import NativeForward
@@ -27,8 +29,8 @@ def _own_forward(model: nn.Module) -> bool:
     return forward is None or isinstance(forward, NativeForward)
 
 
-#: the head screens built so far, per LM head module: ``((weight pointer, version), screen)``
-_SCREENS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, int], HeadScreen]] = weakref.WeakKeyDictionary()
+#: the head screens built so far, per LM head module: ``(the weight's tensor_key, screen)``
+_SCREENS: weakref.WeakKeyDictionary[nn.Module, tuple[Hashable, HeadScreen]] = weakref.WeakKeyDictionary()
 
 
 def screen_obstacle(model: nn.Module) -> str | None:
@@ -60,11 +62,12 @@ def head_screen(model: nn.Module) -> HeadScreen | None:
         return None
     head = model.lm_head
     weight = head.weight
-    key = (weight.data_ptr(), weight._version)
+    key = tensor_key(weight)
     cached = _SCREENS.get(head)
     if cached is not None and cached[0] == key:
         return cached[1]
-    screen = HeadScreen.build(weight, head.bias, choose("w8a16_linear", "cpu", groups=1).fn)
+    with torch.no_grad():  # a weight made under inference_mode still says requires_grad
+        screen = HeadScreen.build(weight, head.bias, choose("w8a16_linear", "cpu", groups=1).fn)
     _SCREENS[head] = (key, screen)
     return screen
 
