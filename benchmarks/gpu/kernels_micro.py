@@ -93,18 +93,26 @@ def main() -> None:
     paths = {"reference (per-row loop)": reference.paged_attention, "portable (whole batch)": portable.paged_attention}
     if args.device.startswith("cuda") and triton_paged.load()[0] is not None:
         paths["triton (one launch)"] = triton_paged.paged_attention
-    if flex_paged.why_not(torch.device(args.device)) is None:
-        paths["FlexAttention (compiled, dynamic shapes)"] = flex_paged.paged_attention
-        # Inductor's flex-decoding kernel (GQA heads share K/V reads) needs a static batch: is it worth buckets?
-        from torch.nn.attention.flex_attention import flex_attention
-
-        static = torch.compile(flex_attention, dynamic=False)
-        paths["FlexAttention (compiled, static shapes)"] = flex_paged.make_paged_attention(static)
     scale = args.head_dim**-0.5
     for name, fn in paths.items():
         ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
         print(f"paged attention, {name}: {_ms(ms)}")
     int8_rows(args)
+    flex_rows(args, tensors, scale)  # last: each compiles (tens of seconds), so a timeout loses only these
+
+
+def flex_rows(args: argparse.Namespace, tensors: tuple[torch.Tensor, ...], scale: float) -> None:
+    """FlexAttention over the pool, compiled with dynamic shapes (what ``attention="flex"`` runs) and with static
+    shapes (Inductor's flex-decoding kernel, where grouped heads share K/V reads, needs a static batch: would
+    per-bucket compiles pay?)."""
+    if flex_paged.why_not(torch.device(args.device)) is not None:
+        return
+    from torch.nn.attention.flex_attention import flex_attention
+
+    static = flex_paged.make_paged_attention(torch.compile(flex_attention, dynamic=False))
+    for name, fn in (("dynamic shapes", flex_paged.paged_attention), ("static shapes", static)):
+        ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
+        print(f"paged attention, FlexAttention (compiled, {name}): {_ms(ms)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ materialises scores over the whole pool: fine for a test's pool) and with a stat
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import threading
@@ -55,7 +56,7 @@ def why_not(device: torch.device) -> str | None:
         return (
             f"FlexAttention over the pool is compiled with dynamic shapes, which Inductor lowers for "
             f"{'/'.join(DEVICES)} (Triton), not for {device.type} (its C++ lowering fails on dynamic query lengths); "
-            f"on the CPU use attention='auto' (the native kernel) or 'batched'"
+            f"use attention='auto' (on the CPU: the native kernel) or 'batched'"
         )
     if _flex() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
@@ -64,6 +65,7 @@ def why_not(device: torch.device) -> str | None:
     return None
 
 
+@functools.cache
 def _from_kv_blocks_kwargs(block_mask_cls: type) -> dict[str, Any]:
     """``compute_q_blocks=False`` where this torch has it (the backward's transposed indices are not needed)."""
     params = inspect.signature(block_mask_cls.from_kv_blocks).parameters
