@@ -13,7 +13,15 @@ from helpers import PAD, assert_close, random_batch, tiny_model
 from torch.nn.attention.flex_attention import flex_attention
 
 import hf_accel
-from hf_accel import CompileConfig, Engine, IncompatibleOptionsError, PagedCache, PagedConfig, SpeculativeConfig
+from hf_accel import (
+    CompileConfig,
+    Engine,
+    FeatureNotAvailableError,
+    IncompatibleOptionsError,
+    PagedCache,
+    PagedConfig,
+    SpeculativeConfig,
+)
 from hf_accel.kernels import flex_paged, reference
 from hf_accel.paged.attention import attention_choice
 
@@ -108,7 +116,7 @@ def test_flex_paged_attention_half_pools(dtype, atol):
 def test_compiled_flex_reads_only_each_rows_blocks():
     """Inductor's fused FlexAttention (static shapes, the CPU lowering) equals the reference, and a NaN in a block no
     row owns stays out of every result (the uncompiled function would read it: it scores the whole pool)."""
-    compiled = flex_paged.make_paged_attention(torch.compile(flex_attention, dynamic=False))
+    compiled = flex_paged.make_paged_attention(torch.compile(flex_attention, dynamic=False, fullgraph=True))
     query, k_pool, v_pool, tables, q_pos = _case(3, 4, 2, 2, 16, 16)
     last = q_pos.amax(1).tolist()
     owned = {int(t) for row in range(3) if last[row] >= 0 for t in tables[row, : last[row] // 16 + 1]}
@@ -134,6 +142,17 @@ def test_flex_choice_on_cuda_and_refusal_on_the_cpu():
     cuda = attention_choice("flex", torch.device("cuda"), torch.bfloat16, 16, 128)
     assert cuda.impl == "cuda/flex" and cuda.fn is flex_paged.paged_attention and cuda.native
     assert cuda.rejected["cuda/triton"] == "not asked for"
+
+
+def test_recompile_limit_is_an_error_that_says_what_to_do(monkeypatch):
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    def over_the_limit(*args):
+        raise FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+    monkeypatch.setitem(flex_paged.COMPILED, "cpu", over_the_limit)
+    with pytest.raises(FeatureNotAvailableError, match=r"recompile limit.*use attention='auto'"):
+        flex_paged.paged_attention(*_case(1, 4, 2, 1, 16, 16), 0.25, 0, 0.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: sliding windows and soft-capping

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..core.errors import FeatureNotAvailableError
+
 __all__ = ["COMPILED", "DEVICES", "WHY", "block_mask", "make_paged_attention", "paged_attention", "why_not"]
 
 #: what :func:`hf_accel.paged.attention.attention_choice` says of this implementation
@@ -153,7 +155,10 @@ def _compiled_for(device_type: str) -> Callable[..., torch.Tensor]:
     with _lock:
         if device_type not in COMPILED:
             flex_attention, _ = _flex()  # type: ignore[misc]
-            COMPILED[device_type] = make_paged_attention(torch.compile(flex_attention, dynamic=True))
+            # fullgraph: past torch.compile's recompile limit, an error instead of the uncompiled function (which
+            # would score every slot of the pool)
+            compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
+            COMPILED[device_type] = make_paged_attention(compiled)
         return COMPILED[device_type]
 
 
@@ -164,4 +169,13 @@ def paged_attention(
     """FlexAttention paged decode, compiled for the query's device (arguments and result of
     :func:`hf_accel.kernels.reference.paged_attention`); :func:`why_not` says where it runs."""
     fn = _compiled_for(query.device.type)
-    return fn(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
+    try:
+        return fn(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
+    except Exception as err:
+        if type(err).__name__ != "FailOnRecompileLimitHit":
+            raise
+        raise FeatureNotAvailableError(
+            "PagedCache(attention='flex'): FlexAttention reached torch.compile's recompile limit in this process "
+            "(torch._dynamo.config.recompile_limit: too many models, dtypes or soft-capping variants); use "
+            "attention='auto' (the Triton kernel)"
+        ) from err
