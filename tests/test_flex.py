@@ -27,7 +27,7 @@ from hf_accel.paged.attention import attention_choice
 
 NO_EOS = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
 PLAIN_PATH = dict(compile=False, native=False, speculative=SpeculativeConfig(auto=None))
-EAGER = flex_paged.make_paged_attention(flex_attention)
+EAGER = flex_paged.make_paged_attention()  # the uncompiled flex_attention
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +116,7 @@ def test_flex_paged_attention_half_pools(dtype, atol):
 def test_compiled_flex_reads_only_each_rows_blocks():
     """Inductor's fused FlexAttention (static shapes, the CPU lowering) equals the reference, and a NaN in a block no
     row owns stays out of every result (the uncompiled function would read it: it scores the whole pool)."""
-    compiled = flex_paged.make_paged_attention(torch.compile(flex_attention, dynamic=False, fullgraph=True))
+    compiled = flex_paged.make_paged_attention(flex_paged.compile_flex(dynamic=False))
     query, k_pool, v_pool, tables, q_pos = _case(3, 4, 2, 2, 16, 16)
     last = q_pos.amax(1).tolist()
     owned = {int(t) for row in range(3) if last[row] >= 0 for t in tables[row, : last[row] // 16 + 1]}
@@ -127,6 +127,8 @@ def test_compiled_flex_reads_only_each_rows_blocks():
         assert torch.isfinite(got).all()
         assert_close(got, reference.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.25, window, 0.0),
                      atol=2e-6, rtol=1e-5, name="compiled flex")  # fmt: skip
+    # the compile cache is our wrapper's: a user's own torch.compile(flex_attention) keeps its whole recompile budget
+    assert not torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__)
 
 
 def test_flex_choice_on_cuda_and_refusal_on_the_cpu():

@@ -107,9 +107,7 @@ def flex_rows(args: argparse.Namespace, tensors: tuple[torch.Tensor, ...], scale
     per-bucket compiles pay?)."""
     if flex_paged.why_not(torch.device(args.device)) is not None:
         return
-    from torch.nn.attention.flex_attention import flex_attention
-
-    static = flex_paged.make_paged_attention(torch.compile(flex_attention, dynamic=False))
+    static = flex_paged.make_paged_attention(flex_paged.compile_flex(dynamic=False))
     for name, fn in (("dynamic shapes", flex_paged.paged_attention), ("static shapes", static)):
         ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
         print(f"paged attention, FlexAttention (compiled, {name}): {_ms(ms)}")

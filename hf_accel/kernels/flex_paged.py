@@ -32,7 +32,16 @@ import torch
 
 from ..core.errors import FeatureNotAvailableError
 
-__all__ = ["COMPILED", "DEVICES", "WHY", "block_mask", "make_paged_attention", "paged_attention", "why_not"]
+__all__ = [
+    "COMPILED",
+    "DEVICES",
+    "WHY",
+    "block_mask",
+    "compile_flex",
+    "make_paged_attention",
+    "paged_attention",
+    "why_not",
+]
 
 #: what :func:`hf_accel.paged.attention.attention_choice` says of this implementation
 WHY = "PagedCache(attention='flex') asked for it: FlexAttention compiled by Inductor, reading the pool in place"
@@ -47,9 +56,28 @@ _Q_BLOCK = 128
 def _flex() -> tuple[Callable[..., Any], type] | None:
     try:
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    except ImportError:
+    except ImportError:  # torch < 2.5
         return None
     return flex_attention, BlockMask
+
+
+def _flex_call(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable[..., Any] | None,
+    block_mask: Any, scale: float, enable_gqa: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``flex_attention`` behind a code object of this module's: what :func:`compile_flex` compiles, so the compile
+    cache and recompile budget are ours, not shared with a user's own ``torch.compile(flex_attention)``."""
+    flex_attention, _ = _flex()  # type: ignore[misc]
+    return flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def compile_flex(dynamic: bool) -> Callable[..., torch.Tensor]:
+    """FlexAttention compiled by Inductor (``dynamic``: one compile for every batch, chunk and pool size), with
+    ``fullgraph=True``: past torch.compile's recompile limit, an error instead of the uncompiled function (which
+    would score every slot of the pool). For :func:`make_paged_attention`."""
+    return torch.compile(_flex_call, dynamic=dynamic, fullgraph=True)
 
 
 def why_not(device: torch.device) -> str | None:
@@ -124,9 +152,11 @@ def _softcap_mod(softcap: float) -> Callable[..., torch.Tensor] | None:
     return score_mod
 
 
-def make_paged_attention(flex_attention: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+def make_paged_attention(flex: Callable[..., Any] | None = None) -> Callable[..., torch.Tensor]:
     """Paged attention with the arguments and result of :func:`hf_accel.kernels.reference.paged_attention`, through
-    ``flex_attention`` (compiled, or the uncompiled function for tests)."""
+    ``flex`` (called as ``flex(query, key, value, score_mod, block_mask, scale, enable_gqa)``: :func:`compile_flex`'s
+    result; ``None``: the uncompiled ``flex_attention``, for tests on small pools)."""
+    flex = flex or _flex_call
 
     def paged_attention(
         query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -137,10 +167,8 @@ def make_paged_attention(flex_attention: Callable[..., Any]) -> Callable[..., to
         k = k_pool.view(1, nb * bs, kv_heads, dim).transpose(1, 2)  # [1, H_kv, NB*BS, D], the pool in place
         v = v_pool.view(1, nb * bs, kv_heads, dim).transpose(1, 2)
         mask = block_mask(block_tables, q_pos, nb, bs, int(window))
-        out = flex_attention(
-            query, k, v, score_mod=_softcap_mod(float(softcap)), block_mask=mask,
-            scale=float(scale), enable_gqa=query.shape[1] != kv_heads,
-        )  # [B, H_q, Q, D]  # fmt: skip
+        out = flex(query, k, v, _softcap_mod(float(softcap)), mask, float(scale), query.shape[1] != kv_heads)
+        # out: [B, H_q, Q, D]
         return torch.where((q_pos >= 0)[:, :, None, None], out.transpose(1, 2), 0)
 
     return paged_attention
@@ -154,11 +182,7 @@ _lock = threading.Lock()
 def _compiled_for(device_type: str) -> Callable[..., torch.Tensor]:
     with _lock:
         if device_type not in COMPILED:
-            flex_attention, _ = _flex()  # type: ignore[misc]
-            # fullgraph: past torch.compile's recompile limit, an error instead of the uncompiled function (which
-            # would score every slot of the pool)
-            compiled = torch.compile(flex_attention, dynamic=True, fullgraph=True)
-            COMPILED[device_type] = make_paged_attention(compiled)
+            COMPILED[device_type] = make_paged_attention(compile_flex(dynamic=True))
         return COMPILED[device_type]
 
 
