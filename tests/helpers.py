@@ -131,7 +131,10 @@ def run_threads(work: list[Callable[[], None]], timeout: float = 240) -> None:
 def gguf_like(weight: torch.Tensor, kind: str = "q4_1") -> torch.Tensor:
     """``weight`` [N, K] (K % 32 == 0) quantized and de-quantized as a GGUF file's blocks of 32 hold it, with the
     gguf package's float32 arithmetic: ``"q4_1"`` (``fl(fl(d * q) + m)``, q in [0, 15], d and m float16), ``"q8_0"``
-    (``fl(d * q)``, q in [-127, 127]) or ``"q4_0"`` (``fl(d * (q - 8))``, d = max / -8)."""
+    (``fl(d * q)``, q in [-127, 127]), ``"q4_0"`` (``fl(d * (q - 8))``, d = max / -8), or the K-quants ``"q4_k"`` /
+    ``"q5_k"`` (:func:`k_quant_like`)."""
+    if kind in ("q4_k", "q5_k"):
+        return k_quant_like(weight, 15 if kind == "q4_k" else 31)
     g = weight.detach().float().reshape(-1, 32)
     if kind == "q4_1":
         lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
@@ -146,6 +149,22 @@ def gguf_like(weight: torch.Tensor, kind: str = "q4_1") -> torch.Tensor:
     d = (top / -8).half().float()
     q = torch.where(d != 0, g / d + 8, torch.full_like(g, 8)).round().clamp(0, 15)
     return (d * (q - 8)).view_as(weight)
+
+
+def k_quant_like(weight: torch.Tensor, levels: int) -> torch.Tensor:
+    """``weight`` [N, K] as GGUF's Q4_K (``levels=15``) / Q5_K (31) de-quantize it: per group of 32,
+    ``fl(fl(d1 * q) - m1)`` with ``d1 = fl(d * sc)``, ``m1 = fl(dmin * m)``, float16 ``d`` / ``dmin`` per row (a
+    super-block's, in the file) and 6-bit ``sc`` / ``m``. The rounded 6-bit scales leave some groups without code 0
+    or the top code, as a K-quant's fitted scales do."""
+    g = weight.detach().float().reshape(weight.shape[0], -1, 32)  # [N, G, 32]
+    lo, hi = g.amin(2, keepdim=True).clamp(max=0), g.amax(2, keepdim=True)
+    d = (((hi - lo) / levels).amax(1, keepdim=True) / 63).half().float()  # [N, 1, 1]
+    dmin = ((-lo).amax(1, keepdim=True) / 63).half().float()
+    sc = torch.where(d > 0, (hi - lo) / levels / d, 0).round().clamp(1, 63)  # [N, G, 1]
+    m = torch.where(dmin > 0, -lo / dmin, 0).round().clamp(0, 63)
+    d1, m1 = d * sc, dmin * m
+    q = torch.where(d1 > 0, (g + m1) / d1, 0).round().clamp(0, levels)
+    return ((d1 * q) - m1).view_as(weight)
 
 
 @torch.no_grad()

@@ -53,6 +53,43 @@ def test_codes_found_and_decoded_bitwise(kind, bits, params):
     assert codes.nbytes == codes.codes.numel() * codes.codes.element_size() + 48 * 3 * 2 * params.itemsize
 
 
+def _k_quant_blocks(kind: str, rows: int, k: int, seed: int) -> torch.Tensor:
+    """Random GGUF Q4_K / Q5_K super-blocks (float16 d / dmin, 12 bytes of 6-bit scales and mins, packed codes) as
+    the gguf package de-quantizes them (what Transformers' ``gguf_file=`` loading runs): ``[rows, k]`` float32.
+    Each group's codes span ``lo..hi`` with ``lo`` in 0..1 and ``hi`` in top-1..top, as fitted scales leave them."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    top = 15 if kind == "q4_k" else 31
+    gen = np.random.default_rng(seed)
+    blocks = rows * k // 256
+    lo, hi = gen.integers(0, 2, (blocks, 8, 1)), gen.integers(top - 1, top + 1, (blocks, 8, 1))
+    q = lo + np.floor(gen.random((blocks, 8, 32)) * (hi - lo + 1)).astype(np.int64)  # [blocks, 8 groups, 32]
+    q[..., :1], q[..., 1:2] = lo, hi
+    low = (q & 15).astype(np.uint8).reshape(blocks, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(blocks, 128)  # byte 32 i + l: groups 2i and 2i + 1
+    d = gen.uniform(1e-4, 1e-3, (blocks, 2)).astype(np.float16).view(np.uint8)  # d, dmin
+    scales = gen.integers(0, 256, (blocks, 12), dtype=np.uint8)
+    parts = [d, scales]
+    if kind == "q5_k":  # bit g of byte l: the fifth bit of group g's element l
+        parts.append(sum(((q[:, g] >> 4) & 1).astype(np.uint8) << g for g in range(8)).astype(np.uint8))
+    data = np.concatenate([*parts, qs], axis=1).reshape(rows, -1)
+    qtype = gguf.GGMLQuantizationType.Q4_K if kind == "q4_k" else gguf.GGMLQuantizationType.Q5_K
+    return torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).view(rows, k)
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("q4_k", 4), ("q5_k", 8)])
+def test_k_quant_codes_found_bitwise(kind, bits):
+    """GGUF K-quants: each group's scale and offset are float32 products of float16 and 6-bit values, and a group's
+    codes may stop short of either end; every group is found, with float32 parameters."""
+    weight = _k_quant_blocks(kind, 24, 512, seed=3)
+    codes = find_codes(weight)
+    assert isinstance(codes, Codes), codes
+    assert codes.bits == bits and codes.params.dtype == torch.float32 and torch.equal(codes.decode(), weight)
+    emulated = gguf_like(torch.randn(48, 96, generator=torch.Generator().manual_seed(0)) * 0.05 - 0.01, kind)
+    assert find_codes(emulated).bits == bits and torch.equal(find_codes(emulated).decode(), emulated)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_values_are_sixteen_bit_codes(dtype):
     weight = (torch.randn(48, 96, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype).float()
@@ -197,6 +234,18 @@ def test_coded_model_over_the_paged_cache_and_the_engine():
 
 
 @native_only
+@pytest.mark.parametrize("linears", ["q4_k", "q5_k"])
+def test_k_quant_model_decodes_as_the_unpatched_model(linears):
+    """Q4_K / Q5_K linears (float32 scales: the kernels' unfused path) give the unpatched model's tokens."""
+    plain, patched = _pair("llama", 0.02, linears)
+    coded = patched.forward.step.native.coded
+    assert coded is not None and len(patched.forward.step.native.coded_weights) == 6 * plain.config.num_hidden_layers
+    ids, mask = random_batch(2, [6, 11], seed=4)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS)
+    assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS), expected)
+
+
+@native_only
 def test_q4_0_model_and_codes_off():
     plain, patched = _pair("llama", 0.02, "q4_0")
     assert patched.forward.step.native.coded is not None
@@ -303,9 +352,13 @@ def test_default_patch_does_not_speculate_over_coded_steps():
     got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
     assert torch.equal(got, expected)
     from hf_accel.core.call import GenerateCall
-    from hf_accel.speculative.auto import auto_refusal
+    from hf_accel.speculative.auto import DRAFT_SHARE, auto_refusal
 
     call = GenerateCall((), dict(input_ids=ids, attention_mask=mask, do_sample=False))
     assert "exact codes" in auto_refusal(patched, call)
+    # 8-bit codes read about as many bytes as an int8 draft, whose kernel streams them faster: the draft pays there
+    eight_bit = hf_accel.patch_model(as_gguf(_tiny("llama", initializer_range=0.02), "q8_0"))
+    read, weights = eight_bit.forward.current_step().step_bytes()
+    assert weights <= DRAFT_SHARE * read and auto_refusal(eight_bit, call) is None
     got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, prompt_lookup=True, **NO_EOS)
     assert torch.equal(got, expected)

@@ -74,34 +74,126 @@ def _neighbours(d: torch.Tensor) -> list[torch.Tensor]:
     return [d.half().float(), d32, *[(d32.view(torch.int32) + k).view(torch.float32) for k in _ULPS]]
 
 
-def _solve(g: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Codes ``[R, 32]``, scales ``[R]``, offsets ``[R]`` that reproduce every group of ``g [R, 32]`` exactly, or
-    ``None`` where one group has none."""
-    if bits == 4:  # affine: the smallest value is code 0, the largest code 15
-        offset = g.amin(1)
-        estimates = [(g.amax(1).double() - offset.double()) / 15]
-        lowest, highest = 0, 15
-    else:  # symmetric: the largest magnitude is code 127 (Q8_0), 8 (Q4_0) or 16 (Q5_0)
-        offset = torch.zeros(g.shape[0], dtype=g.dtype)
-        amax = g.abs().amax(1).double()
-        estimates = [amax / 127, amax / 8, amax / 16]
-        lowest, highest = -128, 127
-    codes = torch.zeros_like(g)
-    scale = torch.zeros_like(offset)
-    todo = torch.ones(g.shape[0], dtype=torch.bool)
-    for d in (c for estimate in estimates for c in _neighbours(estimate)):
-        rows = todo.nonzero().flatten()
-        if rows.numel() == 0:
-            break
-        dd, mm, gg = d[rows, None], offset[rows, None], g[rows]
+#: per stored width, the families of scale estimates a group is tried with: (lowest code, highest code, the largest
+#: magnitude's code; 0: affine, the range spans lowest..highest from the smallest value, the offset). 4 bits: GGUF
+#: Q4_1 / Q4_K (affine 0..15). 8 bits: symmetric, the largest magnitude at code 127 (Q8_0), 8 (Q4_0: d * (q - 8))
+#: or 16 (Q5_0), and affine 0..31 (Q5_1 / Q5_K); groups of any of these fit the same layout.
+_FAMILIES = {4: ((0, 15, 0),), 8: ((-128, 127, 127), (-128, 127, 8), (-128, 127, 16), (0, 31, 0))}
+#: an affine group may lack its end codes (K-quants fit scale and offset by least squares): spans tried below full
+_SHORT_SPANS = 3
+#: the share of groups with a range that the direct estimates must solve before short spans are searched: a K-quant
+#: solves a few percent directly (Q5_K, ~5%: 12 of a 256-group probe) or nearly all (Q4_K); float weights solve none
+_SEARCH_ABOVE = 0.01
+
+
+class _Solution:
+    """Codes ``[R, 32]``, scales and offsets ``[R]`` filled in as candidates reproduce groups of ``g`` exactly."""
+
+    def __init__(self, g: torch.Tensor) -> None:
+        self.g = g
+        self.codes = torch.zeros_like(g)
+        self.scale = torch.zeros(g.shape[0], dtype=g.dtype)
+        self.offset = torch.zeros(g.shape[0], dtype=g.dtype)
+        self.todo = torch.ones(g.shape[0], dtype=torch.bool)
+        self.lo, self.hi = g.amin(1), g.amax(1)
+        self._distinct: torch.Tensor | None = None
+
+    def distinct(self) -> torch.Tensor:
+        """``[R]`` how many different values each group holds (computed once, where a search needs it)."""
+        if self._distinct is None:
+            ordered = self.g.sort(1).values
+            self._distinct = (ordered[:, 1:] != ordered[:, :-1]).sum(1) + 1
+        return self._distinct
+
+    def rows(self) -> torch.Tensor:
+        return self.todo.nonzero().flatten()
+
+    def attempt(self, rows: torch.Tensor, d: torch.Tensor, m: torch.Tensor, lowest: int, highest: int) -> None:
+        """Scales ``d`` and offsets ``m`` (``[len(rows)]`` float32) for groups ``rows``: keep those that reproduce
+        every weight with two roundings, as the kernels compute ``fl(fl(d * c) + m)``."""
+        dd, mm, gg = d[:, None], m[:, None], self.g[rows]
         c = torch.where(dd > 0, (gg - mm) / dd, torch.zeros_like(gg)).round().clamp(lowest, highest)
-        ok = ((dd * c) + mm == gg).all(1)  # two roundings, as the kernels do
+        ok = ((dd * c) + mm == gg).all(1)
         hit = rows[ok]
-        codes[hit], scale[hit] = c[ok], d[hit]
-        todo[hit] = False
-    if todo.any():
+        self.codes[hit], self.scale[hit], self.offset[hit] = c[ok], d[ok], m[ok]
+        self.todo[hit] = False
+
+
+def _direct(sol: _Solution, family: tuple[int, int, int]) -> None:
+    """One family of scale estimates (:data:`_FAMILIES`) and their float16 / float32 neighbours, for the groups not
+    solved yet: an affine group's offset is its smallest value; a symmetric one has none."""
+    lowest, highest, top = family
+    if top:
+        estimate = torch.maximum(sol.hi.abs(), sol.lo.abs()).double() / top
+    else:
+        estimate = (sol.hi.double() - sol.lo.double()) / (highest - lowest)
+    for d in _neighbours(estimate):
+        rows = sol.rows()
+        if rows.numel() == 0:
+            return
+        m = torch.zeros(rows.numel(), dtype=sol.g.dtype) if top else sol.lo[rows]
+        sol.attempt(rows, d[rows], m, lowest, highest)
+
+
+def _ranked(g: torch.Tensor, bits: int) -> list[tuple[int, int, int]]:
+    """The families of ``bits`` that solve some of ``g``'s groups (a probe), the ones that solve most first: a weight
+    is one checkpoint type, so its family then solves nearly every group on the first try and the others see only
+    what is left. Empty for a weight that is not codes of this width."""
+    hits = []
+    for family in _FAMILIES[bits]:
+        sol = _Solution(g)
+        _direct(sol, family)
+        hits.append((int((~sol.todo).sum()), family))
+    return [family for count, family in sorted(hits, key=lambda h: -h[0]) if count]
+
+
+def _on_grid(sol: _Solution, span: int) -> torch.Tensor:
+    """Unsolved groups that could hold codes spanning ``span`` steps: at most ``span + 1`` different values, each
+    within a hundredth of a step of the grid from the smallest to the largest (a float group is not)."""
+    rows = (sol.todo & (sol.distinct() <= span + 1)).nonzero().flatten()
+    lo, hi = sol.lo[rows, None], sol.hi[rows, None]
+    steps = (sol.g[rows] - lo) / ((hi - lo) / span)  # [R', 32]
+    return rows[((steps - steps.round()).abs() < 0.01).all(1)]
+
+
+def _short_spans(sol: _Solution, lowest: int, highest: int) -> None:
+    """Affine groups whose codes stop short of an end (a K-quant's fitted scale and offset): codes ``c0..c0 + span``
+    for spans a few below full, the smallest value at code ``c0``, the offset from it (and its float32 neighbours)."""
+    full = highest - lowest
+    for span in range(full - 1, full - 1 - _SHORT_SPANS, -1):
+        candidates = _on_grid(sol, span)
+        for c0 in range(lowest, highest - span + 1):
+            rows = candidates[sol.todo[candidates]]
+            if rows.numel() == 0:
+                break
+            lo, hi = sol.lo[rows], sol.hi[rows]
+            for d in _neighbours((hi.double() - lo.double()) / span):
+                base = lo - d * c0  # float32: the offset that puts the smallest value at code c0, near enough
+                for step in (0, 1, -1, 2, -2):
+                    rows_now = sol.todo[rows]
+                    if not bool(rows_now.any()):
+                        break
+                    m = (base.view(torch.int32) + step).view(torch.float32) if step else base
+                    sol.attempt(rows[rows_now], d[rows_now], m[rows_now], lowest, highest)
+
+
+def _solve(
+    g: torch.Tensor, families: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Codes ``[R, 32]``, scales ``[R]``, offsets ``[R]`` that reproduce every group of ``g [R, 32]`` exactly, trying
+    ``families`` in order (then, where enough groups are solved, short spans of the affine ones), or ``None`` where
+    one group has none."""
+    sol = _Solution(g)
+    for family in families:
+        _direct(sol, family)
+    ranged = sol.hi > sol.lo  # a constant group (all zeros, say) is solved by any estimate: it proves nothing
+    if bool(sol.todo.any()) and (~sol.todo & ranged).float().mean().item() >= _SEARCH_ABOVE:
+        for lowest, highest, top in families:
+            if not top:
+                _short_spans(sol, lowest, highest)
+    if sol.todo.any():
         return None
-    return codes, scale, offset
+    return sol.codes, sol.scale, sol.offset
 
 
 def _pack(codes: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
@@ -142,10 +234,12 @@ def find_codes(weight: torch.Tensor) -> Codes | str:
     groups = weight.detach().to("cpu").reshape(-1, GROUP)
     if not bool(torch.isfinite(groups).all()):
         return "the weight holds inf or NaN values"
+    probe = groups[:_PROBE]
     for bits in (4, 8):
-        if _solve(groups[:_PROBE], bits) is None:
+        families = _ranked(probe, bits)
+        if not families or _solve(probe, families) is None:
             continue
-        parts = [_solve(chunk, bits) for chunk in groups.split(_CHUNK)]
+        parts = [_solve(chunk, families) for chunk in groups.split(_CHUNK)]
         if any(p is None for p in parts):
             continue
         codes = torch.cat([p[0] for p in parts])  # [groups, 32]
