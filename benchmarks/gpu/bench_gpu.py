@@ -19,6 +19,7 @@ the host synchronisations per new token (CUDA's sync debug mode, one more call).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -183,15 +184,19 @@ def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device:
             rows.append(generate_row(name, gen(paged=True), 1, new, device))
             rows[-1]["report"] = hf_accel.patch_report(model)["implementations"]
             if "compiled step" in name and not dequantize:
-                rows.append(guarded(name, 1, lambda name=name: verification_costs(model, ids, device, name)))
+                attention = patch.get("paged", PagedConfig()).attention  # the variant's attention, not the default
+                costs = functools.partial(verification_costs, model, ids, device, name, attention)
+                rows.append(guarded(name, 1, costs))
         finally:
             hf_accel.unpatch_model(model)
     return rows
 
 
-def verification_costs(model: Any, ids: torch.Tensor, device: str, name: str, k: int = 4) -> dict[str, Any]:
+def verification_costs(
+    model: Any, ids: torch.Tensor, device: str, name: str, attention: str = "auto", k: int = 4
+) -> dict[str, Any]:
     """Prompt lookup's per-step costs: one k-token verification chunk against one 1-token step (compiled)."""
-    cache = PagedCache(model, num_blocks=64, block_size=16)
+    cache = PagedCache(model, num_blocks=64, block_size=16, attention=attention)
     mask = torch.ones_like(ids)
     times: dict[int, list[float]] = {1: [], k: []}
     with torch.no_grad():
