@@ -16,7 +16,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
-__all__ = ["tensor_key", "tensor_version", "weights_fingerprint"]
+__all__ = ["sampled_values", "tensor_key", "tensor_version", "weights_fingerprint"]
 
 _SAMPLES = 8  # values read from each tensor
 
@@ -33,10 +33,12 @@ def tensor_key(t: torch.Tensor) -> Hashable:
     version = tensor_version(t)
     if version >= 0:
         return (t.data_ptr(), version)
-    return (t.data_ptr(), version, tuple(_sample(t).tolist()))
+    return (t.data_ptr(), version, tuple(sampled_values(t).tolist()))
 
 
-def _sample(t: torch.Tensor) -> torch.Tensor:
+def sampled_values(t: torch.Tensor) -> torch.Tensor:
+    """A few of ``t``'s values, evenly spaced over its elements, as float64 on its device (equal before and after a
+    write that touches none of them): what catches writes that bypass the version counter."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return flat.new_zeros(0, dtype=torch.float64)
@@ -59,6 +61,6 @@ def weights_fingerprint(model: nn.Module) -> Hashable:
             meta.append((name, "meta"))
             continue
         meta.append((name, t.data_ptr(), tensor_version(t), tuple(t.shape), str(t.dtype)))  # inference: the samples
-        samples.append(_sample(t).to("cpu", non_blocking=False))
+        samples.append(sampled_values(t).to("cpu", non_blocking=False))
     values = torch.cat(samples).tolist() if samples else []
     return (tuple(meta), tuple(values))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..core.fingerprint import tensor_version
+from ..core.fingerprint import sampled_values, tensor_version
 from ..quant.codes import Codes, find_codes
 
 __all__ = ["CODED_MAX_ROWS", "CodeBook"]
@@ -27,29 +27,20 @@ __all__ = ["CODED_MAX_ROWS", "CodeBook"]
 #: chunks of up to this many activation rows run coded projections; wider ones (prompts) the float weights, where
 #: the products, not the weight bytes, set the pace (``coded_linear`` takes at most 32)
 CODED_MAX_ROWS = 16
-_SAMPLES = 8  # values of each weight compared with the codes' when checking for writes through ``.data``
-
-
-def _sample_at(t: torch.Tensor) -> torch.Tensor:
-    n = t.numel()
-    return torch.arange(_SAMPLES, device=t.device) * max(1, n // _SAMPLES) % max(n, 1)
 
 
 @dataclass
 class _Entry:
     weight: torch.Tensor  # the (detached) weight the codes were found in: held, so its storage is not reused
     version: int
-    where: torch.Tensor  # flat indices sampled
-    values: torch.Tensor  # the weight's values there when the codes were found
+    values: torch.Tensor  # its sampled values when the codes were found (core.fingerprint.sampled_values)
     codes: Codes | None
     why: str  # why there are no codes ("" when there are)
 
     def current(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` (the same storage: entries are keyed by it) still holds the values the codes were found
         in."""
-        return self.version == tensor_version(weight) and torch.equal(
-            weight.detach().reshape(-1)[self.where], self.values
-        )
+        return self.version == tensor_version(weight) and torch.equal(sampled_values(weight), self.values)
 
 
 def _key(weight: torch.Tensor) -> tuple[Any, ...]:
@@ -78,9 +69,7 @@ class CodeBook:
                 return entry
             found = find_codes(weight.detach())
             codes, why = (found, "") if isinstance(found, Codes) else (None, found)
-            where = _sample_at(weight)
-            values = weight.detach().reshape(-1)[where].clone()
-            entry = _Entry(weight.detach(), tensor_version(weight), where, values, codes, why)
+            entry = _Entry(weight.detach(), tensor_version(weight), sampled_values(weight), codes, why)
             self._entries[_key(weight)] = entry
             return entry
 

@@ -53,9 +53,9 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
 
 #: an automatic int8 self-draft must read at most this share of the bytes a target's step reads: a round of k drafts
 #: and one verification pays where k draft steps cost less than the k target steps they replace. Measured on
-#: SmolLM2-135M (docs/log/2026-12-06-k-quants.md): over exact codes at shares 0.74 (Q4_K_M), 0.89 (Q8_0) the draft
-#: gave 1.5-1.75x; at 1.37 (the default model, 4-bit codes) it lost (95 against 142 tok/s). The int8 draft's kernel
-#: streams its bytes faster than the 8-bit coded one.
+#: SmolLM2-135M (benchmarks/bench_gguf.py, docs/log/2026-12-06-k-quants.md): over exact codes at shares 0.74
+#: (Q4_K_M) to 0.89 (Q8_0) the draft gave 1.6-2.4x in decode; at 1.37 (the default model, 4-bit codes) it lost (95
+#: against 142 tok/s). The int8 draft's kernel streams its bytes faster than the 8-bit coded one.
 DRAFT_SHARE = 1.0
 
 
