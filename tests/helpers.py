@@ -128,6 +128,20 @@ def run_threads(work: list[Callable[[], None]], timeout: float = 240) -> None:
         raise errors[0]
 
 
+def generate_in_threads(model: PreTrainedModel, batches: list, repeats: int = 1, **kwargs) -> list[torch.Tensor]:
+    """``model.generate(input_ids=, attention_mask=, **kwargs)`` for each ``(ids, mask)`` of ``batches``, each batch in
+    its own thread, all at once (``repeats`` calls per thread): each batch's last output, in order."""
+    got: list = [None] * len(batches)
+
+    def job(k: int) -> None:
+        ids, mask = batches[k]
+        for _ in range(repeats):
+            got[k] = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+    run_threads([lambda k=k: job(k) for k in range(len(batches))])
+    return got
+
+
 def gguf_like(weight: torch.Tensor, kind: str = "q4_1") -> torch.Tensor:
     """``weight`` [N, K] (K % 32 == 0) quantized and de-quantized as a GGUF file's blocks of 32 hold it, with the
     gguf package's float32 arithmetic: ``"q4_1"`` (``fl(fl(d * q) + m)``, q in [0, 15], d and m float16), ``"q8_0"``

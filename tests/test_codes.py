@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import NO_AUTO_SPECULATION, as_gguf, assert_close, cpu_build, gguf_like, random_batch, run_threads
+from helpers import NO_AUTO_SPECULATION, as_gguf, assert_close, cpu_build, generate_in_threads, gguf_like, random_batch
 from helpers import tiny_model as _tiny
 
 import hf_accel
@@ -330,13 +330,7 @@ def test_threads_share_a_coded_model():
     plain, patched = _pair("llama", 0.02)
     batches = [random_batch(2, None, seed=s) for s in range(4)]
     expected = [plain.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
-    got: dict[int, torch.Tensor] = {}
-
-    def job(k: int):
-        return lambda: got.__setitem__(k, patched.generate(input_ids=batches[k][0], attention_mask=batches[k][1],
-                                                           max_new_tokens=8, **NO_EOS))  # fmt: skip
-
-    run_threads([job(k) for k in range(4)])
+    got = generate_in_threads(patched, batches, max_new_tokens=8, **NO_EOS)
     for k in range(4):
         assert torch.equal(got[k], expected[k]), k
 

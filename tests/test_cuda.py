@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import PAD, assert_close, random_batch, run_threads, tiny_model
+from helpers import PAD, assert_close, generate_in_threads, random_batch, tiny_model
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, Int8Config, PagedConfig, SpeculativeConfig
@@ -117,13 +117,7 @@ def test_threads_on_one_model(device):
     patched = hf_accel.patch_model(tiny_model("llama").to(device), **PLAIN_PATH, paged=_paged(device))
     batches = [_batch(device, seed) for seed in range(3)]
     expected = [plain.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
-    got: dict[int, torch.Tensor] = {}
-
-    def job(k: int) -> None:
-        ids, mask = batches[k]
-        got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, paged=True, **NO_EOS)
-
-    run_threads([lambda k=k: job(k) for k in range(3)])
+    got = generate_in_threads(patched, batches, max_new_tokens=8, paged=True, **NO_EOS)
     assert all(torch.equal(got[k], expected[k]) for k in range(3))
 
 

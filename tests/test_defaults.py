@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import random_batch, run_threads, tiny_model
+from helpers import generate_in_threads, random_batch, tiny_model
 
 import hf_accel
 from hf_accel.core.errors import IncompatibleOptionsError, UnsupportedModelError
@@ -121,13 +121,7 @@ def test_concurrent_default_calls_share_one_draft_and_equal_the_unpatched_model(
     plain, patched = _model(), hf_accel.patch_model(_model())
     batches = [random_batch(2, [4 + i, 9], seed=i) for i in range(4)]
     expected = [plain.generate(input_ids=ids, attention_mask=mask, **KW) for ids, mask in batches]
-    got: dict[int, torch.Tensor] = {}
-
-    def run(i: int) -> None:
-        for _ in range(3):
-            got[i] = patched.generate(input_ids=batches[i][0], attention_mask=batches[i][1], **KW)
-
-    run_threads([lambda i=i: run(i) for i in range(4)])
+    got = generate_in_threads(patched, batches, repeats=3, **KW)
     assert all(torch.equal(got[i], expected[i]) for i in range(4))
 
 

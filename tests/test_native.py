@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, run_threads, tiny_model
+from helpers import NO_AUTO_SPECULATION, assert_close, generate_in_threads, random_batch, tiny_model
 from transformers import DynamicCache, StaticCache
 
 import hf_accel
@@ -152,14 +152,7 @@ def test_threads_share_the_executor():
     plain, patched = _pair("qwen2")
     batches = [random_batch(2, [3 + i, 9], seed=10 + i) for i in range(4)]
     expected = [plain.generate(input_ids=i, attention_mask=m, max_new_tokens=12, **NO_EOS) for i, m in batches]
-    results: dict[int, torch.Tensor] = {}
-
-    def run(index: int) -> None:
-        ids, mask = batches[index]
-        for _ in range(3):
-            results[index] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **NO_EOS)
-
-    run_threads([lambda i=i: run(i) for i in range(4)])
+    results = generate_in_threads(patched, batches, repeats=3, max_new_tokens=12, **NO_EOS)
     assert all(torch.equal(results[i], expected[i]) for i in range(4))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import NO_AUTO_SPECULATION, assert_close, random_batch, run_threads, tiny_model
+from helpers import NO_AUTO_SPECULATION, assert_close, generate_in_threads, random_batch, tiny_model
 from transformers import DynamicCache
 
 import hf_accel
@@ -117,11 +117,5 @@ def test_threads_share_a_half_models_executor():
     widened, patched = _pair("qwen2", torch.bfloat16)
     batches = [random_batch(1, [n], seed=n) for n in (5, 9, 12, 7)]
     expected = [widened.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
-    got: list = [None] * len(batches)
-
-    def run(k: int) -> None:
-        ids, mask = batches[k]
-        got[k] = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **NO_EOS)
-
-    run_threads([lambda k=k: run(k) for k in range(len(batches))])
+    got = generate_in_threads(patched, batches, max_new_tokens=8, **NO_EOS)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
