@@ -28,6 +28,7 @@ from .core.errors import (
     ModelNotFoundError,
     NotPatchedError,
     UnsupportedModelError,
+    UnsupportedVersionError,
 )
 from .core.metrics import GenerationStats
 from .core.registry import supported_model_types
@@ -67,6 +68,7 @@ __all__ = [
     "SpeculativeConfig",
     "UnknownRequestError",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
     "__version__",
     "is_patched",
     "is_quantizer_registered",

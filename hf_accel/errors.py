@@ -18,6 +18,7 @@ from .core.errors import (
     ModelNotFoundError,
     NotPatchedError,
     UnsupportedModelError,
+    UnsupportedVersionError,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "ModelNotFoundError",
     "NotPatchedError",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
 ]

@@ -17,7 +17,9 @@ __all__ = [
     "HFAccelError",
     "IncompatibleOptionsError",
     "NotPatchedError",
+    "ModelNotFoundError",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
 ]
 
 
@@ -64,6 +66,11 @@ class FeatureNotAvailableError(HFAccelError, NotImplementedError):
 
 class DefaultModelNotInstalledError(HFAccelError, ImportError):
     """The package that ships the default model's weights is not installed."""
+
+
+class UnsupportedVersionError(HFAccelError, ImportError):
+    """An installed PyTorch or Transformers is older than the release hf_accel needs; the message says which and how
+    to upgrade."""
 
 
 class ModelNotFoundError(HFAccelError, FileNotFoundError):

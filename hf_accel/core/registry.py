@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from .errors import UnsupportedModelError
+from .versions import require_supported_versions
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -216,8 +217,11 @@ def resolve(model: nn.Module) -> ModelParts:
     """Check ``model`` against its spec and locate every layer's attention and MLP.
 
     Raises:
+        UnsupportedVersionError: PyTorch or Transformers is older than hf_accel needs (every entry point resolves its
+            model first, so this is where they all check).
         UnsupportedModelError: not a causal LM, unknown ``model_type``, or a module the spec names is missing.
     """
+    require_supported_versions()
     spec = get_spec(model)
     layers = _find(model, spec.layers, type(model).__name__, spec)
     if not isinstance(layers, nn.ModuleList):
