@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using hf_accel::kNegInf;
 
 // K/V elements: float32, or float16 (the draft's cache; half the bytes a step streams). One vector / one value as
 // float32.

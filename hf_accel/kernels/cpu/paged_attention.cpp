@@ -23,7 +23,7 @@
 namespace {
 
 constexpr int64_t kMinBlocksPerSplit = 4;  // below this a split costs more to merge than it saves
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using hf_accel::kNegInf;
 
 using hf_accel::exp8;
 using hf_accel::hsum;

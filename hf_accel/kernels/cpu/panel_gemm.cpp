@@ -58,7 +58,7 @@ void rows(const float* x, int64_t M, int64_t K, const float* const* w, const flo
 }
 
 template <int NP, int MT>
-void run(const float* x, int64_t M, int64_t K, const float* wp, int64_t panels, const float* bias, float* y) {
+void run_panels(const float* x, int64_t M, int64_t K, const float* wp, int64_t panels, const float* bias, float* y) {
   const int64_t N = panels * 16;
   const int64_t tiles = panels / NP;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -107,13 +107,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, c10::optional<
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #ifdef __AVX512F__
-  if (M == 1) run<8, 1>(xp, M, K, wp, panels, b, yp);
-  else if (M == 2) run<6, 2>(xp, M, K, wp, panels, b, yp);
-  else run<6, 4>(xp, M, K, wp, panels, b, yp);
+  if (M == 1) run_panels<8, 1>(xp, M, K, wp, panels, b, yp);
+  else if (M == 2) run_panels<6, 2>(xp, M, K, wp, panels, b, yp);
+  else run_panels<6, 4>(xp, M, K, wp, panels, b, yp);
 #else
-  if (M == 1) run<6, 1>(xp, M, K, wp, panels, b, yp);
-  else if (M == 2) run<2, 2>(xp, M, K, wp, panels, b, yp);
-  else run<1, 4>(xp, M, K, wp, panels, b, yp);
+  if (M == 1) run_panels<6, 1>(xp, M, K, wp, panels, b, yp);
+  else if (M == 2) run_panels<2, 2>(xp, M, K, wp, panels, b, yp);
+  else run_panels<1, 4>(xp, M, K, wp, panels, b, yp);
 #endif
   return y;
 }

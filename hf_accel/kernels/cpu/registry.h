@@ -1,5 +1,6 @@
 // How the translation units of hf_accel's CPU extension add their functions to the one module of a build
-// (module.cpp): each defines one register_* function.
+// (module.cpp): each defines one register_* function. kernels/build.py compiles every source as one translation unit,
+// so names at file scope (anonymous namespaces too) must be unique across the sources.
 #pragma once
 #include <torch/extension.h>
 

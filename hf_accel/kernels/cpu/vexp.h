@@ -8,6 +8,8 @@
 
 namespace hf_accel {
 
+inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 inline __m256 exp8(__m256 x) {
   const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
