@@ -16,8 +16,8 @@ __all__ = [
     "FeatureNotAvailableError",
     "HFAccelError",
     "IncompatibleOptionsError",
-    "NotPatchedError",
     "ModelNotFoundError",
+    "NotPatchedError",
     "UnsupportedModelError",
     "UnsupportedVersionError",
 ]
