@@ -108,7 +108,8 @@ def test_tensor_parallel_two_cpu_processes(tmp_path):
     tiny_model("llama").save_pretrained(folder)
     out = tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # keeps a PYTHONPATH the run relies on
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     proc = subprocess.run(
         [*cmd, str(WORKER), str(folder), str(out)], env=env, capture_output=True, text=True, timeout=600
