@@ -20,10 +20,16 @@ if [ "$DEVICE" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-"$PY" - <<'PY' | tee "$OUT/env.txt"
+# stops here, before any GPU minute is spent on tests, if torch or transformers is below hf_accel's floor (the image's
+# own transformers is: carry .whl)
+"$PY" - <<'PY' | tee "$OUT/env.txt" || exit 1
+import sys
 import torch, transformers
+from hf_accel.core.versions import unsupported_versions
 print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+if unsupported_versions():
+    sys.exit(f"check.sh: below hf_accel's floor: {'; '.join(unsupported_versions())} (carry .whl)")
 PY
 status=0
 if [ "$DEVICE" = cuda ] && [ "${SKIP_TESTS:-0}" = 1 ]; then
