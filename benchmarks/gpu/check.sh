@@ -25,11 +25,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" - <<'PY' | tee "$OUT/env.txt" || exit 1
 import sys
 import torch, transformers
-from hf_accel.core.versions import unsupported_versions
+from hf_accel import UnsupportedVersionError
+from hf_accel.core.versions import require_supported_versions
 print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
-if unsupported_versions():
-    sys.exit(f"check.sh: below hf_accel's floor: {'; '.join(unsupported_versions())} (carry .whl)")
+try:
+    require_supported_versions()
+except UnsupportedVersionError as err:
+    sys.exit(f"check.sh: {err} (on the GPU machine: carry .whl)")
 PY
 status=0
 if [ "$DEVICE" = cuda ] && [ "${SKIP_TESTS:-0}" = 1 ]; then

@@ -40,26 +40,32 @@ def _older(found: str, floor: str) -> bool:
         return False  # an unparsable local build: trust its installer
 
 
+def _too_old(versions: dict[str, str | None]) -> list[str]:
+    """The distributions in ``versions`` installed older than their floor, in :data:`MINIMUM` order."""
+    return [dist for dist, (floor, _) in MINIMUM.items() if (have := versions.get(dist)) and _older(have, floor)]
+
+
+def _read() -> dict[str, str | None]:
+    return {dist: _installed(dist) for dist in MINIMUM}
+
+
 def unsupported_versions(versions: dict[str, str | None] | None = None) -> list[str]:
     """Each installed package older than hf_accel's floor, as ``"transformers 5.17.0 (needs >= 5.24.0: ...)"``.
 
     Args:
         versions: distribution -> installed version (``None``: not installed); default: read from this environment.
     """
-    versions = versions if versions is not None else {dist: _installed(dist) for dist in MINIMUM}
-    found = []
-    for dist, (floor, why) in MINIMUM.items():
-        have = versions.get(dist)
-        if have is not None and _older(have, floor):
-            found.append(f"{dist} {have} (needs >= {floor}: {why})")
-    return found
+    versions = versions if versions is not None else _read()
+    return [f"{dist} {versions[dist]} (needs >= {MINIMUM[dist][0]}: {MINIMUM[dist][1]})" for dist in _too_old(versions)]
 
 
 def require_supported_versions() -> None:
     """Raise :class:`UnsupportedVersionError` if an installed PyTorch or Transformers is older than hf_accel's floor."""
-    old = unsupported_versions()
+    versions = _read()
+    old = _too_old(versions)
     if old:
-        upgrade = " ".join(f"'{dist}>={MINIMUM[dist][0]}'" for dist in MINIMUM if any(o.startswith(dist) for o in old))
+        upgrade = " ".join(f"'{dist}>={MINIMUM[dist][0]}'" for dist in old)
         raise UnsupportedVersionError(
-            f"hf_accel does not run on {'; '.join(old)}. Upgrade with: pip install --upgrade {upgrade}"
+            f"hf_accel does not run on {'; '.join(unsupported_versions(versions))}. "
+            f"Upgrade with: pip install --upgrade {upgrade}"
         )
