@@ -1,6 +1,7 @@
 """The compile feature: (a) config and errors, (b) PackedLinear / compiled MLP equivalence, (c) model level."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -106,16 +107,43 @@ def test_panel_kernel_every_row_count(pretend_cpu_lacks, lacks, rows, k, n):
 
 
 def test_layout_choice_and_errors():
-    assert PackedLinear.from_module(nn.Linear(8, 16, dtype=torch.bfloat16)).layout == "onednn"  # fp32 kernel only
+    if packing_unavailable(torch.empty(2, 2, dtype=torch.bfloat16)) is None:
+        assert PackedLinear.from_module(nn.Linear(8, 16, dtype=torch.bfloat16)).layout == "onednn"  # fp32 kernel only
     assert PackedLinear.from_module(nn.Linear(8, 12)).layout == "onednn"  # 12 outputs: not whole panels
     with pytest.raises(ValueError, match=r"layout must be one of \('auto', 'panel', 'onednn'\), got 'fast'"):
         PackedLinear.from_module(nn.Linear(8, 16), layout="fast")
-    with pytest.raises(ValueError, match="cannot pack this linear in panels: out_features 12 is not a multiple of 16"):
+    with pytest.raises(
+        ValueError, match=r"cannot pack this linear in panels: (.*; )?out_features 12 is not a multiple of 16"
+    ):
         PackedLinear.from_module(nn.Linear(8, 12), layout="panel")
     expected = "panel" if panel_choice(torch.zeros(16, 16)).native else "onednn"
     assert PackedLinear.from_module(nn.Linear(8, 16)).layout == expected
 
 
+def test_bfloat16_packing_needs_onednn_bf16_kernels(monkeypatch):
+    # AVX2-only CPUs (Zen 3, older Intel) have no oneDNN bf16 kernels: oneDNN's reorder raises a RuntimeError there,
+    # so packing says why first, and the compile feature leaves the bf16 linears as they are
+    monkeypatch.setattr(hf_accel.fused.packed, "_onednn_bf16", lambda: False)
+    reason = r"bfloat16 on a CPU without oneDNN's bf16 kernels \(they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT"
+    with pytest.raises(ValueError, match="cannot pack this linear: " + reason):
+        PackedLinear.from_module(nn.Linear(8, 16, dtype=torch.bfloat16))
+    packed = PackedLinear.from_module(nn.Linear(8, 16))
+    packed.to(torch.bfloat16)  # a packed float32 module cast to bf16 keeps a dense weight
+    assert packed.layout == "dense" and packed.dense_weight().dtype == torch.bfloat16
+    model = tiny_model("llama").to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hf_accel.patch_model(model, compile=EAGER_TRACE)
+    changes = hf_accel.patch_report(model)["changes"]["compile"]
+    assert any(re.match("linears not packed: " + reason, change) for change in changes), changes
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    ids, mask = random_batch(2, [6, 4], seed=3)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False}
+    assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+@pytest.mark.skipif(
+    packing_unavailable(torch.empty(2, 2, dtype=torch.bfloat16)) is not None, reason="no oneDNN bf16 kernels here"
+)
 def test_packed_linear_bfloat16():
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, dtype=torch.bfloat16)

@@ -45,14 +45,26 @@ def _panel_unavailable(weight: torch.Tensor) -> str | None:
 
 
 def packing_unavailable(weight: torch.Tensor) -> str | None:
-    """Why ``weight`` cannot be packed (``None`` when it can): CPU, fp32/bf16, a oneDNN-enabled build."""
+    """Why ``weight`` cannot be packed (``None`` when it can): CPU, fp32/bf16 (bf16 where oneDNN has bf16 kernels
+    for this CPU), a oneDNN-enabled build."""
     if weight.device.type != "cpu":
         return f"weights on {weight.device.type} (oneDNN packing is a CPU layout)"
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {weight.dtype} (oneDNN packing takes float32 or bfloat16)"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch build has no oneDNN (mkldnn)"
+    if weight.dtype == torch.bfloat16 and not _onednn_bf16():
+        return (
+            f"bfloat16 on a CPU without oneDNN's bf16 kernels (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT; this CPU "
+            f"has {torch.backends.cpu.get_cpu_capability()})"
+        )
     return None
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN can pack and multiply bfloat16 weights on this CPU (AVX2-only CPUs cannot)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @functools.cache
