@@ -832,17 +832,18 @@ def _native_modes():
         NativeLayers.__call__ = original
 
 
-@pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
+@_NATIVE
 def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
-    """A wide chunk (a guess check) of the VNNI build runs the int8 projections and the head as W8A8: the same maths
-    as the draft's modules switched to ``activations="int8"``; narrow chunks stay weight-only."""
+    """A wide chunk (a guess check) runs the int8 projections and the head as W8A8 (every build: VNNI, or AVX2's
+    integer dots): the same maths as the draft's modules switched to ``activations="int8"``; narrow chunks stay
+    weight-only."""
     from hf_accel.native import layers as lean
     from hf_accel.quant import Int8Linear
 
     model = _lean_draft("llama", True)
     native = LeanStep.build(model)
     native.native.kv_dtype = torch.float32
-    assert native.native.w8a8 and native.native.choice.impl == "cpu/avx512vnni"
+    assert native.native.w8a8 and native.native.choice.impl == layers_choice({16}).impl
     w8a8 = copy.deepcopy(model)
     for parent in list(w8a8.modules()):
         for name, child in list(parent.named_children()):
@@ -868,19 +869,25 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
     assert (got[valid].argmax(-1) == expected[valid].argmax(-1)).float().mean() >= 0.9
 
 
-_VNNI = pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
+def _dots_build(isa: str):
+    """The CPU build ``isa`` (``"widest"``: this CPU's widest) for a W8A16 kernel test; skips where the CPU lacks it.
+    Every build has the integer dots: VNNI's, and AVX2's from ``vpmaddubsw`` / ``vpmaddwd``."""
+    module = cpu_build(None if isa == "widest" else isa)
+    if module is None:
+        pytest.skip(f"no {isa} build on this CPU")
+    return module
 
 
-@_VNNI
+@pytest.mark.parametrize("isa", ["widest", "avx2"])
 @pytest.mark.parametrize(
     ("rows", "features", "outputs"), [(1, 32, 4), (2, 576, 7), (3, 64, 100), (4, 1536, 12), (9, 96, 33)]
 )
-def test_w8a16_kernel_matches_its_reference(rows, features, outputs):
-    """The VNNI build's W8A16 linear against :func:`w8a16_reference` (exact integer dots) and against the float
+def test_w8a16_kernel_matches_its_reference(isa, rows, features, outputs):
+    """Each build's W8A16 linear against :func:`w8a16_reference` (exact integer dots) and against the float
     product with the de-quantized weights, within the activations' rounding (half a step of each group)."""
     from hf_accel.quant.core import dequantize, quantize, quantize_activations16, w8a16_reference
 
-    module = cpu_build("avx512vnni")
+    module = _dots_build(isa)
     gen = torch.Generator().manual_seed(rows * features + outputs)
     x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)  # uneven groups
     if features == 32:
@@ -942,18 +949,18 @@ def test_native_float_linear_leaves_wide_or_odd_products_to_torch():
         module.float_linear(torch.randn(33, 64), w)
 
 
-@_VNNI
-def test_w8a16_kernel_rejects_weights_it_does_not_take():
+@pytest.mark.parametrize("isa", ["widest", "avx2"])
+def test_w8a16_kernel_rejects_weights_it_does_not_take(isa):
     from hf_accel.quant.core import quantize
 
-    module = cpu_build("avx512vnni")
+    module = _dots_build(isa)
     grouped = quantize(torch.randn(8, 64), group_size=32)
     with pytest.raises(RuntimeError, match="w8a16: needs one scale per weight row and in_features a multiple of 32"):
         module.w8a16_linear(torch.randn(2, 64), grouped.qweight, grouped.scale)
     assert module.w8a16_fits(576, 1) and not module.w8a16_fits(48, 1) and not module.w8a16_fits(16384, 1)
 
 
-@_VNNI
+@_NATIVE
 def test_native_lean_steps_of_several_rows_run_w8a16():
     """Steps and catch-ups of two or more activation rows run the int8 projections and the head as W8A16 (one row
     stays weight-only): logits within the activations' rounding of the modules' weight-only maths, same argmax."""

@@ -9,12 +9,16 @@ from test_speculative_models import _repetitive_batch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
+from hf_accel.kernels.ops import choose
 from hf_accel.quant.core import QuantizedWeight, w8a16_reference
 from hf_accel.speculative import PromptLookup, SelfSpeculative
 from hf_accel.speculative.screen import HeadScreen
 from hf_accel.speculative.target import head_screen
 
-_VNNI = pytest.mark.skipif(cpu_build("avx512vnni") is None, reason="no AVX-512 VNNI build here")
+# the screen's W8A16 kernel has a native build on every x86 CPU hf_accel builds for (VNNI or AVX2 integer dots)
+_DOTS = pytest.mark.skipif(
+    not choose("w8a16_linear", "cpu", groups=1).native, reason="no native W8A16 kernel on this CPU"
+)
 
 
 def _reference_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -99,10 +103,12 @@ def test_build_refuses_weights_it_cannot_bound():
         HeadScreen.build(bad, None, _reference_kernel)
 
 
-@_VNNI
-def test_native_kernel_screen_matches_the_float_head():
+@pytest.mark.parametrize("isa", ["widest", "avx2"])
+def test_native_kernel_screen_matches_the_float_head(isa):
     weight = _head(vocab=1000, width=96, seed=8)
-    module = cpu_build("avx512vnni")
+    module = cpu_build(None if isa == "widest" else isa)
+    if module is None:
+        pytest.skip(f"no {isa} build on this CPU")
     screen = HeadScreen.build(weight, None, module.w8a16_linear)
     h = _hidden(300, width=96, seed=9)
     assert torch.equal(screen.argmax(h), (h @ weight.T).argmax(-1))
@@ -121,7 +127,7 @@ def _spy(monkeypatch) -> list[int]:
     return rows
 
 
-@_VNNI
+@_DOTS
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("paged", [False, True])
 def test_greedy_speculation_verifies_through_the_screen(monkeypatch, arch, paged):
@@ -151,7 +157,7 @@ class _ScoreReader(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@_VNNI
+@_DOTS
 @pytest.mark.parametrize(
     "extra",
     [
@@ -174,7 +180,7 @@ def test_screen_stays_off_where_scores_are_needed(monkeypatch, extra):
         assert len(out.scores) == 8 and out.scores[0].shape == (2, 256)
 
 
-@_VNNI
+@_DOTS
 def test_head_screen_applies_where_it_can_and_follows_weight_changes():
     model = tiny_model("llama")
     first = head_screen(model)
@@ -191,7 +197,7 @@ def test_head_screen_applies_where_it_can_and_follows_weight_changes():
     assert head_screen(tiny_model("llama", hidden_size=48, head_dim=12)) is None  # width not a multiple of 32
 
 
-@_VNNI
+@_DOTS
 def test_head_screen_of_an_inference_tensor_head():
     """A model built under ``torch.inference_mode()`` has inference-tensor weights, which keep no version counter:
     the screen is keyed on sampled values instead, and greedy speculation gives the unpatched model's tokens."""
@@ -278,7 +284,7 @@ def test_the_loop_says_how_it_verified_and_why():
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     kwargs = dict(max_new_tokens=6, return_dict_in_generate=True)
     out = patched.generate(ids, prompt_lookup=True, do_sample=False, **kwargs)
-    if cpu_build("avx512vnni") is not None:
+    if choose("w8a16_linear", "cpu", groups=1).native:
         assert out.speculative["head"] == "int8 screen"
     assert out.speculative["target"].startswith("native executor (cpu/")
     sampled = patched.generate(ids, prompt_lookup=True, do_sample=True, **kwargs)

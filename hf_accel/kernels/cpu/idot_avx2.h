@@ -273,9 +273,10 @@ constexpr int64_t kMaxK = 8192;  // 256 blocks x 2 x 128 x 32767 < 2**31, as the
 inline bool fits(int64_t K, int64_t groups) { return groups == 1 && K % kBlock == 0 && K <= kMaxK; }
 
 inline torch::Tensor w8a16_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
+  if (x.dim() == 2 && scale.dim() == 2)  // the VNNI build's message (w8a16_impl.h) for what does not fit
+    TORCH_CHECK(fits(x.size(1), scale.size(1)), "w8a16: needs one scale per weight row and in_features a multiple of ",
+                kBlock, " up to ", kMaxK, ", got in_features ", x.size(1), " and ", scale.size(1), " scales per row");
   idot::check_weights("w8a16", x, q, scale);
-  const int64_t K = x.size(1);
-  TORCH_CHECK(fits(K, scale.size(1)), "w8a16: needs in_features a multiple of ", kBlock, " up to ", kMaxK, ", got ", K);
   return idot::quantized_linear<int16_t>(x, q, scale, idot::quantize_row16, idot::Tiles16());
 }
 
