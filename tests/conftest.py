@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from helpers import ARCHS, tiny_model
+from helpers import ARCHS, greedy_answer, tiny_model
 
 from hf_accel.models import find_default_gguf, load_default
 
@@ -49,6 +51,24 @@ def default_model():
     """
     find_default_gguf()  # a clear DefaultModelNotInstalledError instead of a skip: CI must have it
     return load_default(torch.float32)
+
+
+@pytest.fixture(scope="session")
+def real_model_reference(default_model):
+    """What the lossy features' real-model tests compare against, computed once: the unpatched fp32 model's
+    perplexity on the first 512 tokens of real English text (``bench.LICENSE``; skipped where the OS lacks it) and
+    its greedy answers to five chat prompts (:data:`REFERENCE_NEW_TOKENS` new tokens each)."""
+    from hf_accel.bench import CHAT_PROMPTS, LICENSE
+
+    if not LICENSE.exists():
+        pytest.skip(f"{LICENSE} (real English text) is not on this machine")
+    model, tokenizer = default_model
+    ids = tokenizer(LICENSE.read_text(), return_tensors="pt")["input_ids"][:, :512]
+    prompts = CHAT_PROMPTS[:5]
+    with torch.inference_mode():
+        perplexity = math.exp(float(model(input_ids=ids, labels=ids).loss))
+        answers = [greedy_answer(model, tokenizer, p) for p in prompts]
+    return {"ids": ids, "prompts": prompts, "perplexity": perplexity, "answers": answers}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

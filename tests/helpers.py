@@ -189,3 +189,20 @@ def as_gguf(model: PreTrainedModel, linears: str = "q4_1") -> PreTrainedModel:
         if param.dim() == 2:
             param.copy_(gguf_like(param, "q8_0" if "embed" in name or "lm_head" in name else linears))
     return model
+
+
+#: new tokens of each greedy answer in the lossy features' real-model agreement tests
+REFERENCE_NEW_TOKENS = 48
+
+
+def greedy_answer(model, tokenizer, prompt: str) -> torch.Tensor:
+    """``model``'s greedy answer to one chat prompt (prompt + :data:`REFERENCE_NEW_TOKENS` new tokens)."""
+    return model.generate(**chat_batch(tokenizer, [prompt]), max_new_tokens=REFERENCE_NEW_TOKENS, do_sample=False)
+
+
+def identical_prefixes(reference: list[torch.Tensor], got: list[torch.Tensor]) -> list[int]:
+    """Per answer, how many tokens (prompt included) are identical before the first divergence."""
+    return [
+        int((a[0, : b.shape[1]] == b[0, : a.shape[1]]).int().cumprod(0).sum())
+        for a, b in zip(reference, got, strict=True)
+    ]

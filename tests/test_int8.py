@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import assert_close, chat_batch, logits_of, random_batch, tiny_model
+from helpers import assert_close, chat_batch, greedy_answer, identical_prefixes, logits_of, random_batch, tiny_model
 from torch import nn
 
 import hf_accel
@@ -201,53 +201,29 @@ def test_real_model_int8_greedy_agreement(default_model):
     )
 
 
-def _english_text() -> str:
-    """Real English prose that ships with the OS (Debian's GPL-3 text), or with Python (its licence)."""
-    import sys
-    from pathlib import Path
-
-    for path in (
-        Path("/usr/share/common-licenses/GPL-3"),
-        Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "LICENSE.txt",
-    ):
-        if path.is_file():
-            return path.read_text()
-    pytest.skip("no English text shipped with the OS or Python was found")
-
-
 #: backend -> perplexity bound: native (weights only) measured +0.6%; bitsandbytes' LLM.int8() also quantizes
 #: activations (outliers above the threshold stay float), measured +0.05% on this text: bounded looser.
 _PPL_BOUND = {"native": 0.01, "bitsandbytes": 0.02}
 
 
 @pytest.mark.parametrize("backend", ["native", "bitsandbytes"])
-def test_real_model_int8_perplexity_and_agreement(default_model, capsys, backend):
-    from hf_accel.bench import CHAT_PROMPTS
-
+def test_real_model_int8_perplexity_and_agreement(default_model, real_model_reference, capsys, backend):
     model, tokenizer = default_model
-    ids = tokenizer(_english_text(), return_tensors="pt")["input_ids"][:, :512]
-    prompts = CHAT_PROMPTS[:5]
+    ref = real_model_reference  # the unpatched fp32 model's, computed once per session
     with torch.inference_mode():
-        ppl_fp32 = math.exp(float(model(input_ids=ids, labels=ids).loss))
-        outs_fp32 = [model.generate(**chat_batch(tokenizer, [p]), max_new_tokens=64, do_sample=False) for p in prompts]
         hf_accel.patch_model(model, int8=hf_accel.Int8Config(backend=backend, keep_original=True))
         try:
-            ppl_int8 = math.exp(float(model(input_ids=ids, labels=ids).loss))
-            outs_int8 = [
-                model.generate(**chat_batch(tokenizer, [p]), max_new_tokens=64, do_sample=False) for p in prompts
-            ]
+            ppl_int8 = math.exp(float(model(input_ids=ref["ids"], labels=ref["ids"]).loss))
+            outs_int8 = [greedy_answer(model, tokenizer, p) for p in ref["prompts"]]
         finally:
             hf_accel.unpatch_model(model)
-    agree = []
-    for a, b in zip(outs_fp32, outs_int8, strict=True):
-        same = (a[0, : b.shape[1]] == b[0, : a.shape[1]]).int()
-        agree.append(int(same.cumprod(0).sum()))  # tokens identical before the first divergence
-    delta = (ppl_int8 / ppl_fp32 - 1) * 100
+    agree = identical_prefixes(ref["answers"], outs_int8)
+    delta = (ppl_int8 / ref["perplexity"] - 1) * 100
     with capsys.disabled():
-        print(f"\n[int8 {backend} vs fp32] perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f} ({delta:+.2f}%); "
+        print(f"\n[int8 {backend} vs fp32] perplexity {ref['perplexity']:.3f} -> {ppl_int8:.3f} ({delta:+.2f}%); "
               f"identical prefix (prompt + new tokens) per prompt: {agree}")  # fmt: skip
-    assert ppl_int8 / ppl_fp32 - 1 < _PPL_BOUND[backend]
-    prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in prompts]
+    assert ppl_int8 / ref["perplexity"] - 1 < _PPL_BOUND[backend]
+    prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in ref["prompts"]]
     assert all(a > n for a, n in zip(agree, prompt_lens, strict=True))  # every answer starts identically
 
 

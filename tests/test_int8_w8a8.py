@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, chat_batch, logits_of, random_batch, tiny_model
+from helpers import assert_close, chat_batch, greedy_answer, identical_prefixes, logits_of, random_batch, tiny_model
 from torch import nn
 
 import hf_accel
@@ -208,33 +208,23 @@ def test_w8a8_save_and_load_round_trip(tmp_path):
     assert torch.equal(logits_of(loaded, ids, mask), expected)
 
 
-def test_real_model_w8a8_perplexity_and_agreement(default_model, capsys):
-    from hf_accel.bench import CHAT_PROMPTS, LICENSE
-
+def test_real_model_w8a8_perplexity_and_agreement(default_model, real_model_reference, capsys):
     model, tokenizer = default_model
-    if not LICENSE.exists():
-        pytest.skip(f"{LICENSE} (real English text) is not on this machine")
-    ids = tokenizer(LICENSE.read_text(), return_tensors="pt")["input_ids"][:, :512]
-    prompts = CHAT_PROMPTS[:5]
+    ref = real_model_reference  # the unpatched fp32 model's, computed once per session
     with torch.inference_mode():
-        ppl_fp32 = math.exp(float(model(input_ids=ids, labels=ids).loss))
-        outs_fp32 = [model.generate(**chat_batch(tokenizer, [p]), max_new_tokens=48, do_sample=False) for p in prompts]
         hf_accel.patch_model(model, int8=hf_accel.Int8Config(activations="int8", keep_original=True))
         try:
-            ppl = math.exp(float(model(input_ids=ids, labels=ids).loss))
-            outs = [model.generate(**chat_batch(tokenizer, [p]), max_new_tokens=48, do_sample=False) for p in prompts]
+            ppl = math.exp(float(model(input_ids=ref["ids"], labels=ref["ids"]).loss))
+            outs = [greedy_answer(model, tokenizer, p) for p in ref["prompts"]]
         finally:
             hf_accel.unpatch_model(model)
-    agree = [
-        int((a[0, : b.shape[1]] == b[0, : a.shape[1]]).int().cumprod(0).sum())  # identical before first divergence
-        for a, b in zip(outs_fp32, outs, strict=True)
-    ]
-    delta = (ppl / ppl_fp32 - 1) * 100
+    agree = identical_prefixes(ref["answers"], outs)
+    delta = (ppl / ref["perplexity"] - 1) * 100
     with capsys.disabled():
-        print(f"\n[int8 W8A8 vs fp32] perplexity {ppl_fp32:.3f} -> {ppl:.3f} ({delta:+.2f}%); "
+        print(f"\n[int8 W8A8 vs fp32] perplexity {ref['perplexity']:.3f} -> {ppl:.3f} ({delta:+.2f}%); "
               f"identical prefix (prompt + new tokens) per prompt: {agree}")  # fmt: skip
     assert delta < 1.0  # the bound; measured -0.43% on these 512 tokens
-    prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in prompts]
+    prompt_lens = [int(chat_batch(tokenizer, [p])["input_ids"].shape[1]) for p in ref["prompts"]]
     assert all(a > n for a, n in zip(agree, prompt_lens, strict=True))  # every answer starts identically
 
 
