@@ -102,6 +102,17 @@ def cpu_build(isa: str | None = None):
     return extension(isa) if isa in isas else None
 
 
+def build_or_skip(isa: str):
+    """The raw CPU extension module of build ``isa`` (``"widest"``: the widest this CPU runs) for a kernel test
+    parametrised over builds; skips the test where the CPU lacks that build."""
+    import pytest
+
+    module = cpu_build(None if isa == "widest" else isa)
+    if module is None:
+        pytest.skip(f"no {isa} build on this CPU")
+    return module
+
+
 #: ``patch_model`` keywords that keep greedy calls decoding one token per step (the default patch speculates them
 #: automatically on the CPU for the Llama family): for tests that count or inspect plain decoding steps
 NO_AUTO_SPECULATION = {"speculative": SpeculativeConfig()}

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import EOS, PAD, VOCAB, assert_close, chat_batch, cpu_build, random_batch, tiny_model
+from helpers import EOS, PAD, VOCAB, assert_close, build_or_skip, chat_batch, cpu_build, random_batch, tiny_model
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -869,15 +869,6 @@ def test_native_lean_layers_w8a8_chunk_matches_w8a8_modules():
     assert (got[valid].argmax(-1) == expected[valid].argmax(-1)).float().mean() >= 0.9
 
 
-def _dots_build(isa: str):
-    """The CPU build ``isa`` (``"widest"``: this CPU's widest) for a W8A16 kernel test; skips where the CPU lacks it.
-    Every build has the integer dots: VNNI's, and AVX2's from ``vpmaddubsw`` / ``vpmaddwd``."""
-    module = cpu_build(None if isa == "widest" else isa)
-    if module is None:
-        pytest.skip(f"no {isa} build on this CPU")
-    return module
-
-
 @pytest.mark.parametrize("isa", ["widest", "avx2"])
 @pytest.mark.parametrize(
     ("rows", "features", "outputs"), [(1, 32, 4), (2, 576, 7), (3, 64, 100), (4, 1536, 12), (9, 96, 33)]
@@ -887,7 +878,7 @@ def test_w8a16_kernel_matches_its_reference(isa, rows, features, outputs):
     product with the de-quantized weights, within the activations' rounding (half a step of each group)."""
     from hf_accel.quant.core import dequantize, quantize, quantize_activations16, w8a16_reference
 
-    module = _dots_build(isa)
+    module = build_or_skip(isa)
     gen = torch.Generator().manual_seed(rows * features + outputs)
     x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)  # uneven groups
     if features == 32:
@@ -914,9 +905,7 @@ def test_native_float_linear_matches_the_exact_product(isa, rows, features, outp
     """The native layers' float projection of narrow chunks (weight read in place, sums in vector lanes) against the
     float64 product: within float32's summation bound, for row counts with and without a remainder of the row
     tiles and output counts with and without one of the 4-row weight tiles."""
-    module = cpu_build(None if isa == "widest" else isa)
-    if module is None:
-        pytest.skip("no AVX2 build of the native layers here")
+    module = build_or_skip(isa)
     gen = torch.Generator().manual_seed(rows * features + outputs)
     x = torch.randn(rows, features, generator=gen) * torch.linspace(0.05, 20.0, features)
     w = torch.randn(outputs, features, generator=gen)
@@ -953,7 +942,7 @@ def test_native_float_linear_leaves_wide_or_odd_products_to_torch():
 def test_w8a16_kernel_rejects_weights_it_does_not_take(isa):
     from hf_accel.quant.core import quantize
 
-    module = _dots_build(isa)
+    module = build_or_skip(isa)
     grouped = quantize(torch.randn(8, 64), group_size=32)
     with pytest.raises(RuntimeError, match="w8a16: needs one scale per weight row and in_features a multiple of 32"):
         module.w8a16_linear(torch.randn(2, 64), grouped.qweight, grouped.scale)

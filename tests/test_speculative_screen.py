@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, cpu_build, tiny_model
+from helpers import assert_close, build_or_skip, tiny_model
 from test_speculative_models import _repetitive_batch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -106,9 +106,7 @@ def test_build_refuses_weights_it_cannot_bound():
 @pytest.mark.parametrize("isa", ["widest", "avx2"])
 def test_native_kernel_screen_matches_the_float_head(isa):
     weight = _head(vocab=1000, width=96, seed=8)
-    module = cpu_build(None if isa == "widest" else isa)
-    if module is None:
-        pytest.skip(f"no {isa} build on this CPU")
+    module = build_or_skip(isa)
     screen = HeadScreen.build(weight, None, module.w8a16_linear)
     h = _hidden(300, width=96, seed=9)
     assert torch.equal(screen.argmax(h), (h @ weight.T).argmax(-1))
