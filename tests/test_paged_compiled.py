@@ -22,10 +22,11 @@ NO_EOS = dict(do_sample=False, eos_token_id=None)
 
 
 def _step_graphs(model) -> int:
-    """Graphs compiled for ``model``'s decode step (the fused MLPs' own graphs are not counted)."""
+    """Graphs compiled for ``model``'s decode step (the fused MLPs' own graphs are not counted): the whole step's,
+    or its layers' (regional)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return len(_debug_get_cache_entry_list(model.forward.step_code))
+    return sum(len(_debug_get_cache_entry_list(code)) for code in model.forward.step_codes)
 
 
 def _pair(arch: str = "llama", config: CompileConfig = TRACE, **overrides):

@@ -256,7 +256,8 @@ def test_bucketed_compiled_step_is_exact_and_keeps_one_graph(attention, batched_
         assert torch.equal(got, expected)
         steps += 9
         assert patched.forward.steps == steps
-    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(patched.forward.step_code)) <= 2  # 1 and >1 rows
+    (code,) = patched.forward.step_codes  # the whole step: bucketed shapes are compiled whole
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) <= 2  # 1 and >1 rows
     assert (batched_calls[0] > 0) == (attention == "batched")
 
 
@@ -267,7 +268,10 @@ def test_compiled_step_is_chosen_per_device_type():
     step = patched.forward
     cpu, cuda = step.variant("cpu"), step.variant("cuda")  # compiling is lazy: nothing runs on CUDA here
     assert not cpu.static_shapes and not cpu.graphs and not step.static_shapes
-    assert cuda.static_shapes and cuda.graphs and cuda.code is not cpu.code
-    assert step.variant("cuda") is cuda and step.step_code is cpu.code
+    assert cuda.static_shapes and cuda.graphs and cuda.codes[0] is not cpu.codes[0]
+    assert step.variant("cuda") is cuda and step.step_codes is cpu.codes and not cpu.layers and not cuda.layers
     no_graphs = hf_accel.patch_model(tiny_model("llama"), compile=CompileConfig(prepack=False, cuda_graphs=False))
     assert not no_graphs.forward.variant("cuda").static_shapes
+    regional = hf_accel.patch_model(tiny_model("llama"), compile=CompileConfig(prepack=False, regional=True))
+    cuda = regional.forward.variant("cuda")  # by region on CUDA too, without graphs (they take the whole step)
+    assert not cuda.static_shapes and not cuda.graphs and cuda.layers

@@ -36,6 +36,7 @@ from ..fused.packed import PackedLinear, define_compiled_op, packing_unavailable
 from ..paged.layer import uses_paged_attention
 from ..paged.step_op import define_paged_op
 from .paged_step import CompiledPagedDecode
+from .regional import RegionalLayer, layer_slots
 
 if TYPE_CHECKING:
     from ..core.state import PatchState
@@ -171,10 +172,10 @@ def apply_compile(model: nn.Module, parts: ModelParts, config: CompileConfig, re
     if compile_mlps:
         _compile_mlps(parts, config, recorder)
     if config.decode_step:
-        _compile_paged_decode(model, config, recorder)
+        _compile_paged_decode(model, parts, config, recorder)
 
 
-def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Recorder) -> None:
+def _compile_paged_decode(model: nn.Module, parts: ModelParts, config: CompileConfig, recorder: Recorder) -> None:
     """Bind the compiled paged decode step as ``model.forward`` (when paged attention is on, on one device)."""
     if not uses_paged_attention(model):
         recorder.note(FEATURE, "paged decode step not compiled (paged attention is off)")
@@ -184,10 +185,19 @@ def _compile_paged_decode(model: nn.Module, config: CompileConfig, recorder: Rec
         recorder.note(FEATURE, "paged decode step not compiled (the model is dispatched over devices or sharded)")
         return
     define_paged_op()
-    step = CompiledPagedDecode(model, config)
+    slots = layer_slots(model, [(p.layer, p.attention, p.index) for p in parts]) if config.regional else ()
+    step = CompiledPagedDecode(model, config, slots)
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)
+    for slot in slots:  # inert on a device whose step is compiled whole (CUDA graphs)
+        recorder.set_instance_attr(FEATURE, slot.layer, "forward", RegionalLayer(step, slot), "decoder layer: "
+                                   "compiled by region inside paged decode steps")  # fmt: skip
     variant = step.variant(devices.pop().type)  # the device it is on now; another device gets its own step
+    if variant.layers:
+        kinds = len(variant.layers)
+        recorder.note(FEATURE, f"paged decode step compiled by region: {len(slots)} decoder layers share {kinds} "
+                               f"compiled layer step{'s' if kinds > 1 else ''} (embedding, final norm and LM head "
+                               "eager)")  # fmt: skip
     if variant.static_shapes:
         graphs = "captured in CUDA graphs" if variant.graphs else "no CUDA graphs here"
         recorder.note(FEATURE, f"paged decode step padded to bucketed shapes ({graphs}, mode "

@@ -30,11 +30,13 @@ import torch
 from torch import nn
 
 from ..core.config import CompileConfig
+from ..core.gate import SharedExclusiveGate
 from ..paged.attention import DECODE_MAX_QUERY, PLAN_KWARG, step_attention
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
 from ..paged.step_op import DecodePlan
 from .buckets import pad_step
+from .regional import LayerSlot, compile_layers
 
 __all__ = ["CompiledPagedDecode"]
 
@@ -52,7 +54,9 @@ class CompiledPagedDecode:
     Args:
         model: the patched model (paged attention already switched on).
         config: the compile options (:meth:`~hf_accel.CompileConfig.compile_kwargs`,
-            :meth:`~hf_accel.CompileConfig.step_graphs`).
+            :meth:`~hf_accel.CompileConfig.step_graphs`, :meth:`~hf_accel.CompileConfig.step_regional`).
+        layers: the decoder layers (:func:`~.regional.layer_slots`), for a step compiled by region; their
+            ``forward`` is bound to :class:`~.regional.RegionalLayer` by the caller.
 
     A call runs compiled when it feeds ``[B, 1]`` ``input_ids`` (a decode step), or ``[B, W]`` with
     ``W <= DECODE_MAX_QUERY`` and every position's logits (a speculative verification chunk), with a
@@ -62,12 +66,16 @@ class CompiledPagedDecode:
     step: bucketed shapes and CUDA graphs).
     """
 
-    def __init__(self, model: nn.Module, config: CompileConfig) -> None:
+    def __init__(self, model: nn.Module, config: CompileConfig, layers: tuple[LayerSlot, ...] = ()) -> None:
         self.model = model
         self.config = config
+        self.layers = layers
         self.original = types.MethodType(type(model).forward, model)
         self._variants: dict[str, _Variant] = {}
         self._lock = threading.Lock()
+        # a call that may compile runs alone (torch's compile flag is process-wide: core/gate.py); others share
+        self._gate = SharedExclusiveGate()
+        self._ready: set[tuple[Any, ...]] = set()  # shape classes whose graphs exist (their calls share the gate)
         self.steps = 0  # compiled steps run (for tests and reports)
         functools.update_wrapper(self, self.original)  # generate inspects forward's signature
 
@@ -91,9 +99,15 @@ class CompiledPagedDecode:
         return self.variant().graphs
 
     @property
-    def step_code(self) -> types.CodeType:
-        """The code object whose graphs are this model's on its current device (tests count them)."""
-        return self.variant().code
+    def regional(self) -> bool:
+        """Whether the model's current device compiles the step by region (one graph per kind of decoder layer)."""
+        return bool(self.variant().layers)
+
+    @property
+    def step_codes(self) -> tuple[types.CodeType, ...]:
+        """The code objects whose graphs are this model's step on its current device (tests count them): the whole
+        step's, or one per kind of decoder layer (regional)."""
+        return self.variant().codes
 
     def __deepcopy__(self, memo: dict[int, object]) -> Any:
         copied = memo.get(id(self.model))  # a deep copy of the model gets its class's plain forward
@@ -144,10 +158,24 @@ class CompiledPagedDecode:
         plan = DecodePlan(
             slots, tables, q_pos, tuple(x.keys for x in layers), tuple(x.values for x in layers), attention
         )  # fmt: skip
-        logits = variant.compiled(ids, position_ids, plan)
+        logits = self._run(variant, ids, position_ids, plan, cache)
         if variant.static_shapes:  # the real rows; out of the graphs' buffers, which the next replay overwrites
             logits = logits[:rows].clone() if variant.graphs else logits[:rows]
         self.steps += 1
+        return logits
+
+    def _run(self, variant: _Variant, ids: torch.Tensor, position_ids: torch.Tensor, plan: DecodePlan,
+             cache: PagedCache) -> torch.Tensor:  # fmt: skip
+        """The compiled step; alone while it may compile (the first call of a shape class), else beside others."""
+        rows, width = ids.shape
+        shape = (rows, width, plan.block_tables.shape[1]) if variant.static_shapes else (rows > 1, width > 1)
+        key = (ids.device.type, plan.keys[0].dtype, cache.grows, *shape)
+        if key in self._ready:
+            with self._gate.shared():
+                return variant.compiled(ids, position_ids, plan)
+        with self._gate.exclusive():
+            logits = variant.compiled(ids, position_ids, plan)
+        self._ready.add(key)
         return logits
 
     def _mark_static(self, cache: PagedCache) -> None:
@@ -177,7 +205,8 @@ class CompiledPagedDecode:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = self._paged_cache(args, kwargs)
         if cache is None:
-            return self.original(*args, **kwargs)
+            with self._gate.shared():  # never beside a compilation
+                return self.original(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         ids = kwargs["input_ids"]
@@ -194,21 +223,25 @@ class CompiledPagedDecode:
 
 
 class _Variant(NamedTuple):
-    """One device type's compiled step: its function, its own code object, and how it runs."""
+    """One device type's compiled step: its function, the code objects holding its graphs, and how it runs."""
 
     compiled: Any
-    code: types.CodeType
+    codes: tuple[types.CodeType, ...]
     static_shapes: bool
     graphs: bool
+    layers: dict[str, Any]  # regional: {layer kind: compiled layer forward}; empty when the step is compiled whole
 
     @staticmethod
     def build(step: CompiledPagedDecode, device_type: str) -> _Variant:
+        static = step.config.step_graphs(device_type)
+        kwargs = step.config.compile_kwargs(graphs=static and device_type == "cuda")
+        graphs = static and device_type == "cuda" and kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+        if step.layers and step.config.step_regional(device_type):  # the model's forward eager, its layers compiled
+            layers, codes = compile_layers(step.layers, kwargs)
+            return _Variant(types.MethodType(CompiledPagedDecode._step, step), codes, static, False, layers)
         # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
         # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
         # with fullgraph). Each instance (and device type) therefore compiles its own copy of the code.
         fn = CompiledPagedDecode._step
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        static = step.config.step_graphs(device_type)
-        kwargs = step.config.compile_kwargs(graphs=static and device_type == "cuda")
-        graphs = static and device_type == "cuda" and kwargs.get("mode") in ("reduce-overhead", "max-autotune")
-        return _Variant(torch.compile(types.MethodType(own, step), **kwargs), own.__code__, static, graphs)
+        return _Variant(torch.compile(types.MethodType(own, step), **kwargs), (own.__code__,), static, graphs, {})

@@ -234,7 +234,7 @@ class PackedLinear(nn.Module):
         if self.layout != "dense" and (x.dtype != self.packed.dtype or x.device.type != "cpu"):
             raise TypeError(f"PackedLinear holds a {self.packed.dtype} CPU weight; got a {x.dtype} input on {x.device}")
         bias = self.bias.detach() if self.bias is not None else None
-        if torch.compiler.is_compiling():  # the op exists: the compile feature defined it before compiling
+        if torch.compiler.is_dynamo_compiling():  # the op exists: the compile feature defined it before compiling
             return torch.ops.hf_accel.packed_linear(x, self.packed, bias, self.out_features)
         return _packed_linear(x, self.packed, bias, self.out_features)  # [..., N]
 

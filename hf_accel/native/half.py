@@ -56,7 +56,7 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias
     rows = x.numel() // max(1, x.shape[-1])
     kernel = _KERNELS.get(weight.dtype)  # a model cast to float32 since: no kernel, F.linear
-    fast = x.dtype == weight.dtype and x.is_cpu and rows <= MAX_ROWS and not torch.compiler.is_compiling()
+    fast = x.dtype == weight.dtype and x.is_cpu and rows <= MAX_ROWS and not torch.compiler.is_dynamo_compiling()
     if kernel is None or not fast or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     y = kernel(x.reshape(rows, -1).float(), weight)  # [M, N] float32 sums

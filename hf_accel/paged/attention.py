@@ -117,7 +117,7 @@ def _make_mask_function(base: str) -> Callable[..., PagedMask]:
     def paged_mask(**kwargs: Any) -> Any:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-        if not torch.compiler.is_compiling() and _UNPAGED.get():
+        if not torch.compiler.is_dynamo_compiling() and _UNPAGED.get():
             return ALL_MASK_ATTENTION_FUNCTIONS[base](**kwargs)
         mask = kwargs.get("attention_mask")
         padding = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
@@ -153,7 +153,7 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
         if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
             return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
         # a compiled region without a plan is Transformers' own (a static cache): never a PagedCache's K/V
-        layer: PagedLayer | None = None if torch.compiler.is_compiling() else key.__dict__.get(LAYER_TAG)
+        layer: PagedLayer | None = None if torch.compiler.is_dynamo_compiling() else key.__dict__.get(LAYER_TAG)
         if layer is None:  # not a PagedCache: the base implementation (its result; K/V copies spared on CPU)
             mask = attention_mask.base() if isinstance(attention_mask, PagedMask) else attention_mask
             function = gqa_attention if base == "sdpa" else _base_attention(module, base)
@@ -189,11 +189,13 @@ def _planned_attention(
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
     """One layer of a compiled decode step: ``hf_accel::paged_decode`` writes and attends; [B, Q, H_q, D]."""
-    i = module.layer_idx
+    keys, values = plan.keys, plan.values
+    if isinstance(keys, tuple):  # every layer's pools (the whole step); a regional step's layer gets its own
+        keys, values = keys[module.layer_idx], values[module.layer_idx]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
     return torch.ops.hf_accel.paged_decode(
-        query, key, value, plan.keys[i], plan.values[i], plan.slots, plan.block_tables, plan.q_pos,
+        query, key, value, keys, values, plan.slots, plan.block_tables, plan.q_pos,
         scale, window, softcap, plan.attention,
     )  # fmt: skip
 

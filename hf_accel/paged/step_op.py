@@ -27,7 +27,8 @@ class DecodePlan(NamedTuple):
             row, a hole).
         block_tables: ``[B, MB]`` int32.
         q_pos: ``[B, Q]`` int32 index of each new token in its sequence; -1 for a token not stored.
-        keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each.
+        keys / values: every layer's K and V pool, ``[num_blocks, block_size, H_kv, D]`` each; in a regionally
+            compiled step (:mod:`hf_accel.compile.regional`) a layer's plan holds its own pools (one tensor each).
         attention: how to attend, as the cache chose (:func:`~.attention.attention_choice`): ``"native"`` (the
             CPU kernel), ``"triton"`` (:mod:`hf_accel.kernels.triton_paged`), ``"flex"``
             (:mod:`hf_accel.kernels.flex_paged`), ``"portable"``
@@ -38,8 +39,8 @@ class DecodePlan(NamedTuple):
     slots: torch.Tensor
     block_tables: torch.Tensor
     q_pos: torch.Tensor
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    keys: tuple[torch.Tensor, ...] | torch.Tensor
+    values: tuple[torch.Tensor, ...] | torch.Tensor
     attention: str
 
 

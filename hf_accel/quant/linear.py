@@ -183,7 +183,7 @@ class Int8Linear(nn.Module):
         return "native" if native and rows <= DECODE_MAX_ROWS else "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fast = self._cpu_kernel and x.dtype in KERNEL_DTYPES and x.is_cpu and not torch.compiler.is_compiling()
+        fast = self._cpu_kernel and x.dtype in KERNEL_DTYPES and x.is_cpu and not torch.compiler.is_dynamo_compiling()
         if fast and (self.activations == "int8" or x.numel() <= DECODE_MAX_ROWS * self.in_features):
             if x.dtype == torch.float32:
                 return self.kernel(x)  # eager fast path (decode calls this ~200 times per step)
@@ -191,11 +191,11 @@ class Int8Linear(nn.Module):
         path = self.kernel_path(x)
         if path == "portable":  # [.., K] on an accelerator
             flat = x.reshape(-1, self.in_features)
-            if self._device_op and torch.compiler.is_compiling():  # the Triton kernel, opaque to the compiler
+            if self._device_op and torch.compiler.is_dynamo_compiling():  # the Triton kernel, opaque to the compiler
                 y = getattr(torch.ops.hf_accel, self._device_op)(flat, self.qweight, self.scale)  # [M, N]
             elif self._device_op:  # eagerly: the same launcher, without the dispatcher's per-call cost
                 y = self.choice.fn(flat, self.qweight, self.scale)
-            elif torch.compiler.is_compiling():
+            elif torch.compiler.is_dynamo_compiling():
                 y = portable.int8_linear_compiled(flat, self.qweight, self.scale)  # fused by Inductor
             else:
                 y = portable.int8_linear(flat, self.qweight, self.scale)
