@@ -163,11 +163,16 @@ def test_threads_share_the_compiled_step(config):
     assert patched.forward.steps == 2 * 3 * 7
 
 
-@pytest.mark.parametrize("config", [TRACE, WHOLE], ids=["regional", "whole"])
-def test_calls_beside_a_compilation_wait_for_it(config):
+MLPS = CompileConfig(backend="eager", fullgraph=True, mlp=True)  # compiled MLPs: they compile inside eager calls
+
+
+@pytest.mark.parametrize(("config", "paged"), [(TRACE, True), (WHOLE, True), (MLPS, False)],
+                         ids=["regional", "whole", "compiled-mlps"])  # fmt: skip
+def test_calls_beside_a_compilation_wait_for_it(config, paged):
     """torch's compile flag is process-wide: while one thread compiles, ``is_compiling()`` is true in all, and an eager
     forward beside it took compile-time branches (Transformers' ``kernels`` context variable was left corrupted:
-    later calls failed). A compiling step now runs alone; eager calls beside it wait, and every output is exact."""
+    later calls failed). A call that may compile (the step's, or an eager call's first of its shape class) now runs
+    alone; calls beside it wait, and every output is exact."""
     torch._dynamo.reset()
     plain = tiny_model("llama", num_hidden_layers=4)
     patched = hf_accel.patch_model(tiny_model("llama", num_hidden_layers=4), compile=config)
@@ -177,7 +182,7 @@ def test_calls_beside_a_compilation_wait_for_it(config):
     done, eager = [], []
 
     def compiling() -> None:
-        done.append(patched.generate(paged=True, **kwargs))  # its first steps compile
+        done.append(patched.generate(paged=paged, **kwargs))  # its first steps compile
 
     def beside() -> None:
         while not done and len(eager) < 200:
@@ -187,3 +192,48 @@ def test_calls_beside_a_compilation_wait_for_it(config):
     assert torch.equal(done[0], expected) and eager
     assert all(torch.equal(e, expected) for e in eager)
     assert torch.equal(patched.generate(**kwargs), expected)  # nothing left corrupted
+
+
+def test_the_first_call_of_a_shape_class_runs_alone():
+    """Deterministic: the first forward of a shape class (it may compile) holds the gate alone; a call arriving
+    meanwhile starts only after it, and once the class is known, calls overlap."""
+    import threading
+    import time
+
+    patched = hf_accel.patch_model(tiny_model("llama"), compile=WHOLE)
+    step = patched.forward
+    spans: list[tuple[str, float, float]] = []
+    entered = threading.Event()
+    original = step.original
+
+    together = threading.Barrier(2, timeout=5)  # later calls meet here: only calls that overlap can pass it
+    later = []
+
+    def slow(*args, **kwargs):  # the first call stands in for a long compilation
+        start = time.perf_counter()
+        first = not entered.is_set()
+        entered.set()
+        if first:
+            time.sleep(0.3)
+        if later:
+            together.wait()
+        out = original(*args, **kwargs)
+        spans.append(("first" if first else "later", start, time.perf_counter()))
+        return out
+
+    step.original = slow
+    ids, mask = random_batch(2, [4, 6], seed=1)
+
+    def call() -> None:
+        step(input_ids=ids, attention_mask=mask)
+
+    first = threading.Thread(target=call)
+    first.start()
+    entered.wait(5)
+    run_threads([call])  # arrives while the first holds the gate
+    first.join(5)
+    (_, _, first_end), (_, second_start, _) = sorted(spans, key=lambda s: s[0] != "first")
+    assert second_start >= first_end  # waited for the first call of its class
+    assert ("eager", "cpu", True, True) in step._ready
+    later.append(True)
+    run_threads([call, call], timeout=10)  # the class is known: both share the gate (else the barrier breaks)

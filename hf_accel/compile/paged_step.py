@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -166,17 +167,30 @@ class CompiledPagedDecode:
 
     def _run(self, variant: _Variant, ids: torch.Tensor, position_ids: torch.Tensor, plan: DecodePlan,
              cache: PagedCache) -> torch.Tensor:  # fmt: skip
-        """The compiled step; alone while it may compile (the first call of a shape class), else beside others."""
+        """The compiled step, behind the gate (:meth:`_gated`) under its shape class."""
         rows, width = ids.shape
         shape = (rows, width, plan.block_tables.shape[1]) if variant.static_shapes else (rows > 1, width > 1)
         key = (ids.device.type, plan.keys[0].dtype, cache.grows, *shape)
+        return self._gated(key, lambda: variant.compiled(ids, position_ids, plan))
+
+    def _gated(self, key: tuple[Any, ...], call: Callable[[], Any]) -> Any:
+        """``call()`` alone the first time its shape class ``key`` runs (it may compile: the step's graphs, compiled
+        MLPs, FlexAttention), beside the model's other calls after that (:mod:`hf_accel.core.gate`)."""
         if key in self._ready:
             with self._gate.shared():
-                return variant.compiled(ids, position_ids, plan)
+                return call()
         with self._gate.exclusive():
-            logits = variant.compiled(ids, position_ids, plan)
+            out = call()
         self._ready.add(key)
-        return logits
+        return out
+
+    @staticmethod
+    def _eager_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """An eager call's shape class: device, one row or more, one token or more (a prompt)."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            return ("eager", "other")
+        return ("eager", ids.device.type, ids.shape[0] > 1, ids.shape[1] > 1)
 
     def _mark_static(self, cache: PagedCache) -> None:
         """Tell the compiler the pools keep their addresses (CUDA graphs write them in place; a pool that moves, a
@@ -203,10 +217,11 @@ class CompiledPagedDecode:
         return cache if uses_paged_attention(self.model) else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # traced by a caller's compilation (Transformers' static cache)
+            return self.original(*args, **kwargs)
         cache = self._paged_cache(args, kwargs)
-        if cache is None:
-            with self._gate.shared():  # never beside a compilation
-                return self.original(*args, **kwargs)
+        if cache is None:  # eager; its first call per shape class may compile too (compiled MLPs, FlexAttention)
+            return self._gated(self._eager_key(args, kwargs), lambda: self.original(*args, **kwargs))
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         ids = kwargs["input_ids"]
