@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from helpers import PAD, assert_close, generate_in_threads, random_batch, run_threads, tiny_model
+from helpers import ARCHS, PAD, assert_close, generate_in_threads, random_batch, run_threads, tiny_model
 
 import hf_accel
 from hf_accel import CompileConfig, IncompatibleOptionsError, PagedCache
@@ -237,3 +237,17 @@ def test_the_first_call_of_a_shape_class_runs_alone():
     assert ("eager", "cpu", True, True) in step._ready
     later.append(True)
     run_threads([call, call], timeout=10)  # the class is known: both share the gate (else the barrier breaks)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_shares_one_graph_per_kind(arch):
+    """Every registry architecture: its layers of one kind share one graph (no per-layer attribute in the graph), and
+    greedy tokens equal the unpatched model's."""
+    torch._dynamo.reset()
+    plain, patched = tiny_model(arch, num_hidden_layers=4), hf_accel.patch_model(tiny_model(arch, num_hidden_layers=4),
+                                                                                  compile=TRACE)  # fmt: skip
+    ids, mask = random_batch(2, [7, 4], seed=6)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **NO_EOS)
+    got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, paged=True, **NO_EOS)
+    assert torch.equal(got, expected) and patched.forward.steps == 3
+    assert _graphs(patched) == [1] * len(patched.forward.step_codes)
