@@ -181,6 +181,29 @@ def test_no_recompilation_across_steps_and_calls(backend):
     assert _step_graphs(patched) == 1 and patched.forward.steps == 5 + 8 + 24 + 11
 
 
+def test_sliced_inputs_share_the_step_graph():
+    """A caller's own loop passes slices (a column of a wider tensor: strides ``(W, 1)`` at batch 1); the step copies
+    them to plain strides instead of compiling a graph per stride."""
+    torch._dynamo.reset()
+    plain, patched = _pair()
+    ids, mask = random_batch(1, [9], seed=4)
+    cache = PagedCache(patched, block_size=4)
+    tokens = torch.randint(3, plain.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask, use_cache=True)  # the unpatched model, its own cache
+        past = want.cache
+        patched(input_ids=ids, attention_mask=mask, cache=cache, logits_to_keep=1)  # a prompt: eager
+        for i, width in enumerate((1, 2, 7, 40, 5, 11, 40)):  # a plain tensor, then slices of wider ones
+            step = tokens[:, :width][:, i : i + 1] if i else tokens[:, :1].clone()  # [1, 1], strides (width, 1)
+            positions = torch.arange(64)[None, 9 + i : 10 + i] if i else torch.tensor([[9]])  # strides (64, 1)
+            mask = torch.cat([mask, torch.ones_like(step)], 1)
+            got = patched(input_ids=step, position_ids=positions, attention_mask=mask, cache=cache).logits
+            want = plain(input_ids=step, position_ids=positions, attention_mask=mask, cache=past)
+            past = want.cache
+            assert_close(got, want.logits, atol=1e-5, rtol=1e-5)
+    assert _step_graphs(patched) == 1 and patched.forward.steps == 7
+
+
 def test_unpatch_restores_the_class_forward_and_copies_stay_plain():
     model = tiny_model("llama")
     ids, mask = random_batch(2, [4, 9], seed=2)

@@ -136,6 +136,7 @@ class CompiledPagedDecode:
         vary as dynamic, then runs the compiled step. Returns logits ``[B, W, V]``."""
         rows, width = ids.shape
         variant = self.variant(ids.device.type)
+        ids, position_ids = _dense(ids), _dense(position_ids)
         if variant.static_shapes:
             ids, position_ids, slots, tables, q_pos, _ = pad_step(ids, position_ids, slots, tables, q_pos)
             if variant.graphs:
@@ -235,6 +236,17 @@ class CompiledPagedDecode:
         slots, tables, q_pos = cache.decode_plan(ids.shape[0], padding, width)
         logits = self.run_rows(cache, ids, position_ids, slots, tables, q_pos)
         return CausalLMOutputWithPast(logits=logits, cache=cache)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy with the strides of a new tensor of its shape. The compiler guards on strides, those of
+    dimensions of size 1 included: a caller's slice (``ids[:, -1:]`` of a ``[1, L]`` prompt) would otherwise compile
+    another graph on every call whose strides differ."""
+    expected, step = [], 1
+    for size in reversed(t.shape):  # [B, W] -> (W, 1)
+        expected.append(step)
+        step *= max(size, 1)
+    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
 
 
 class _Variant(NamedTuple):
