@@ -46,11 +46,10 @@ def _count_layer_calls(model) -> list[int]:
 
 
 def test_regional_is_opt_in_and_refuses_cuda_graphs():
-    default = CompileConfig()
-    assert not default.step_regional("cpu") and not default.step_regional("cuda") and default.step_graphs("cuda")
+    assert not CompileConfig().regional and CompileConfig().step_graphs("cuda")
     forced = CompileConfig(regional=True)
-    assert forced.step_regional("cpu") and forced.step_regional("cuda")
-    assert not forced.step_graphs("cuda")  # CUDA graphs would take the whole step: none by region
+    assert not forced.step_graphs("cuda") and not forced.step_graphs("cpu")  # graphs would take the whole step
+    assert not CompileConfig(regional=True, cuda_graphs=False).step_graphs("cuda")
     with pytest.raises(IncompatibleOptionsError, match=r"regional cannot be combined with cuda_graphs=True"):
         CompileConfig(regional=True, cuda_graphs=True)
     with pytest.raises(IncompatibleOptionsError, match=r"CompileConfig\.regional"):

@@ -55,7 +55,7 @@ class CompiledPagedDecode:
     Args:
         model: the patched model (paged attention already switched on).
         config: the compile options (:meth:`~hf_accel.CompileConfig.compile_kwargs`,
-            :meth:`~hf_accel.CompileConfig.step_graphs`, :meth:`~hf_accel.CompileConfig.step_regional`).
+            :meth:`~hf_accel.CompileConfig.step_graphs`, :attr:`~hf_accel.CompileConfig.regional`).
         layers: the decoder layers (:func:`~.regional.layer_slots`), for a step compiled by region; their
             ``forward`` is bound to :class:`~.regional.RegionalLayer` by the caller.
 
@@ -263,7 +263,7 @@ class _Variant(NamedTuple):
         static = step.config.step_graphs(device_type)
         kwargs = step.config.compile_kwargs(graphs=static and device_type == "cuda")
         graphs = static and device_type == "cuda" and kwargs.get("mode") in ("reduce-overhead", "max-autotune")
-        if step.layers and step.config.step_regional(device_type):  # the model's forward eager, its layers compiled
+        if step.layers:  # regional (never with CUDA graphs): the model's forward eager, its layers compiled
             layers, codes = compile_layers(step.layers, kwargs)
             return _Variant(types.MethodType(CompiledPagedDecode._step, step), codes, static, False, layers)
         # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that

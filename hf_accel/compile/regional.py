@@ -92,7 +92,7 @@ class RegionalLayer:
     def __init__(self, step: CompiledPagedDecode, slot: LayerSlot) -> None:
         self.step, self.slot = step, slot
         self.original = types.MethodType(type(slot.layer).forward, slot.layer)
-        self._compiled: dict[str, Any] = {}  # device type -> the kind's compiled forward (None: whole step there)
+        self._compiled: dict[str, Any] = {}  # device type -> the kind's compiled forward
         self._shapes: set[tuple[str, bool, bool]] = set()  # (device type, rows > 1, width > 1) already marked
 
     def __deepcopy__(self, memo: dict[int, object]) -> Any:
@@ -105,10 +105,8 @@ class RegionalLayer:
             return self.original(*args, **kwargs)  # eager calls, and the whole step traced through this layer
         device = plan.q_pos.device.type
         if device not in self._compiled:
-            self._compiled[device] = self.step.variant(device).layers.get(self.slot.kind)
+            self._compiled[device] = self.step.variant(device).layers[self.slot.kind]
         fn = self._compiled[device]
-        if fn is None:  # this device's step is compiled whole (CUDA graphs): not reached outside its graph
-            return self.original(*args, **kwargs)
         i = self.slot.pool
         kwargs[PLAN_KWARG] = plan._replace(keys=plan.keys[i], values=plan.values[i])  # this layer's pools only
         rows, width = plan.q_pos.shape

@@ -241,10 +241,6 @@ class CompileConfig:
             return self.cuda_graphs
         return device_type == "cuda" and self.backend == "inductor" and not self.regional
 
-    def step_regional(self, device_type: str) -> bool:
-        """Whether the paged decode step on a device of this type is compiled by region (:attr:`regional`)."""
-        return self.regional and not self.step_graphs(device_type)
-
 
 @dataclass(frozen=True)
 class Int8Config:
