@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,26 @@ def test_check_script_runs_its_cpu_side(tmp_path):
     assert verify["step_ms"] > 0 and verify["verify_ms"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "| hf_accel Engine | 4 |" in table and (tmp_path / "env.txt").read_text().startswith("torch ")
+
+
+def test_a_stopped_benchmark_keeps_the_rows_it_measured(tmp_path):
+    """check.sh's ``timeout`` sends SIGTERM: the rows of the shape being measured are written, exit status 124."""
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/bench_gpu.py"), "--device", "cpu", "--shapes", "tiny",
+           "--new-tokens", "4", "--batch", "2", "--backend", "eager", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the first measured row: plain generate at batch 1
+            lines.append(line)
+            if line.startswith("measured: "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 124, "".join(lines) + rest
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    rows = results["tiny (stopped by SIGTERM)"]
+    assert rows and rows[0]["path"] == "plain generate" and rows[0]["decode_tok_s"] > 0 and "tokens" not in rows[0]
+    assert "| plain generate | 1 |" in (tmp_path / "results.md").read_text()

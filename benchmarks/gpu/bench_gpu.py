@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import random
+import signal
 import sys
 import time
 import traceback
@@ -93,13 +94,25 @@ def host_syncs(call: Callable[[], Any], device: str) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+#: The rows of the shape being measured, as each is measured: what a stop (check.sh's ``timeout``) keeps.
+MEASURED: list[dict[str, Any]] = []
+
+
+class Stopped(BaseException):
+    """SIGTERM (check.sh's ``timeout``): past every ``except Exception``, to the writing of what was measured."""
+
+
 def guarded(name: str, batch: int, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``measure()``, or a row that names the exception: one failing path must not lose the others' figures."""
+    """``measure()``, or a row that names the exception: one failing path must not lose the others' figures. The
+    row is also kept in :data:`MEASURED`."""
     try:
-        return measure()
+        row = measure()
     except Exception as err:
         traceback.print_exc()
-        return {"path": name, "batch": batch, "error": f"{type(err).__name__}: {err}"[:300]}
+        row = {"path": name, "batch": batch, "error": f"{type(err).__name__}: {err}"[:300]}
+    MEASURED.append(row)
+    print(f"measured: {row['path']} (batch {row['batch']})", flush=True)
+    return row
 
 
 def generate_row(name: str, call: Callable[[int], Any], rows: int, new: int, device: str) -> dict[str, Any]:
@@ -175,6 +188,7 @@ def patched_rows(model: Any, gen: Callable[..., Any], ids: torch.Tensor, device:
         except Exception as err:
             traceback.print_exc()
             rows.append({"path": name, "batch": 1, "error": f"patch_model: {type(err).__name__}: {err}"[:300]})
+            MEASURED.append(rows[-1])
             continue
         if dequantize:  # every Int8Linear on its portable forms instead of the Triton kernel
             for module in model.modules():
@@ -227,7 +241,8 @@ def batch32(model: Any, device: str, new: int, args: argparse.Namespace) -> list
     greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     rows = [generate_row("plain generate", lambda n: model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=n, **greedy), len(prompts), new, device)]  # fmt: skip
-    rows.append(transformers_batch(model, prompts, new, device))
+    rows.append(guarded("Transformers generate_batch", len(prompts), lambda: transformers_batch(model, prompts, new,
+                                                                                                device)))  # fmt: skip
     hf_accel.patch_model(model, **dict(PLAIN, compile=CompileConfig(backend=args.backend, prepack=False)))
     try:
         rows.append(
@@ -345,14 +360,31 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.device} ({sys.platform})"
     header = f"## {name}: torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens, prompt {PROMPT}"
     results: dict[str, list[dict[str, Any]]] = {}
-    for shape in args.shapes.split(","):
-        results[shape] = measure_shape(shape, args)
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        (args.out / "results.json").write_text(json.dumps({"device": name, "results": results}, indent=1, default=str))
-        (args.out / "results.md").write_text(table(results, header))
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for shape in args.shapes.split(","):
+            MEASURED.clear()
+            results[shape] = measure_shape(shape, args)
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            write(args.out, name, header, results)
+    except Stopped:  # the shape's rows measured so far, then the time-out's exit status
+        ratios(MEASURED)
+        results[f"{shape} (stopped by SIGTERM)"] = MEASURED
+        write(args.out, name, header, results)
+        print(table(results, header))
+        return 124
     print(table(results, header))
     return 0
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped
+
+
+def write(out: Path, name: str, header: str, results: dict[str, list[dict[str, Any]]]) -> None:
+    (out / "results.json").write_text(json.dumps({"device": name, "results": results}, indent=1, default=str))
+    (out / "results.md").write_text(table(results, header))
 
 
 if __name__ == "__main__":
