@@ -250,3 +250,37 @@ def test_every_architecture_shares_one_graph_per_kind(arch):
     got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, paged=True, **NO_EOS)
     assert torch.equal(got, expected) and patched.forward.steps == 3
     assert _graphs(patched) == [1] * len(patched.forward.step_codes)
+
+
+def test_a_draft_models_calls_wait_while_the_target_compiles():
+    """A draft model is another model: its eager forward beside the target's compilation would take compile-time
+    branches too. Its calls share the target's gate, so they start only after a call holding it alone (as a compiling
+    one does) ends; a target drafting for itself is gated by its own forward only (the gate is not re-entrant)."""
+    import threading
+
+    from hf_accel.core.gate import model_gate
+    from hf_accel.speculative import DraftModel
+
+    target = hf_accel.patch_model(tiny_model("llama"), compile=WHOLE)
+    draft = tiny_model("llama", num_hidden_layers=1)
+    calls: list[int] = []
+    draft.register_forward_pre_hook(lambda module, args: calls.append(1))  # a hook: the draft's own forward runs
+    gate = model_gate(target)
+    assert gate is target.forward.gate and model_gate(draft) is None
+    strategy = DraftModel(draft, num_tokens=3)
+    strategy.start(target, 1, False)
+    sequence = torch.randint(3, 200, (6,), generator=torch.Generator().manual_seed(0))
+    proposals: list = []
+    worker = threading.Thread(target=lambda: proposals.append(strategy.propose([sequence], [3])))
+    with gate.exclusive():
+        worker.start()
+        worker.join(0.5)
+        assert worker.is_alive() and not calls  # waiting for the gate
+    worker.join(10)
+    assert calls and proposals[0][0].tokens.shape == (3,)
+    strategy.finish()
+    itself = DraftModel(target, num_tokens=3)
+    itself.start(target, 1, False)
+    assert itself._gate is None and itself.propose([sequence], [3])[0].tokens.shape == (3,)
+    hf_accel.unpatch_model(target)
+    assert model_gate(target) is None

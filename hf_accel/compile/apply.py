@@ -29,6 +29,7 @@ from ..core.call import GenerateCall, device_of
 from ..core.config import CompileConfig
 from ..core.dispatch import check_resident, is_sharded, transfer_hook
 from ..core.errors import FeatureNotAvailableError, IncompatibleOptionsError
+from ..core.gate import GATE_KEY
 from ..core.recorder import Recorder
 from ..core.registry import ModelParts, decoder_linears, get_attr_path, parent_and_name
 from ..fused.mlp import FusedGatedMLP
@@ -214,7 +215,11 @@ def plain_compile(copy: nn.Module) -> None:
 
 
 def bind_compile(model: nn.Module, state: PatchState, config: CompileConfig) -> None:
-    """With ``decode_step``, give static-cache ``generate`` calls a Transformers ``compile_config``."""
+    """Keep the compiled paged step's gate in the patch state (for draft models' calls: :func:`model_gate`); with
+    ``decode_step``, give static-cache ``generate`` calls a Transformers ``compile_config``."""
+    step = vars(model).get("forward")
+    if isinstance(step, CompiledPagedDecode):
+        state.extras[GATE_KEY] = step.gate
     if not config.decode_step:
         return
 

@@ -74,8 +74,9 @@ class CompiledPagedDecode:
         self.original = types.MethodType(type(model).forward, model)
         self._variants: dict[str, _Variant] = {}
         self._lock = threading.Lock()
-        # a call that may compile runs alone (torch's compile flag is process-wide: core/gate.py); others share
-        self._gate = SharedExclusiveGate()
+        # a call that may compile runs alone (torch's compile flag is process-wide: core/gate.py); others share it,
+        # the model's draft models' calls included (core.gate.model_gate)
+        self.gate = SharedExclusiveGate()
         self._ready: set[tuple[Any, ...]] = set()  # shape classes whose graphs exist (their calls share the gate)
         self.steps = 0  # compiled steps run (for tests and reports)
         functools.update_wrapper(self, self.original)  # generate inspects forward's signature
@@ -178,9 +179,9 @@ class CompiledPagedDecode:
         """``call()`` alone the first time its shape class ``key`` runs (it may compile: the step's graphs, compiled
         MLPs, FlexAttention), beside the model's other calls after that (:mod:`hf_accel.core.gate`)."""
         if key in self._ready:
-            with self._gate.shared():
+            with self.gate.shared():
                 return call()
-        with self._gate.exclusive():
+        with self.gate.exclusive():
             out = call()
         self._ready.add(key)
         return out

@@ -4,7 +4,8 @@ A patched model's compiled step uses it to keep ``torch.compile`` away from the 
 compiles, ``torch.compiler.is_compiling()`` is true in *every* thread (a process-wide flag), so eager code running
 beside a compilation takes its compile-time branches: Transformers' attention modules then route through the
 ``kernels`` package's compile-aware context variable, which a concurrent eager call corrupts for the rest of the
-process. A call that may compile holds the gate alone; the model's other forward calls share it.
+process. A call that may compile holds the gate alone; the model's other forward calls share it, and so do the
+forward calls of the draft models that speculate for it (:func:`model_gate`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["SharedExclusiveGate"]
+from torch import nn
+
+from .state import get_state
+
+__all__ = ["GATE_KEY", "SharedExclusiveGate", "model_gate"]
+
+#: The key of a patched model's gate in its :attr:`~hf_accel.core.state.PatchState.extras` (set by the compile
+#: feature when it binds a compiled paged step).
+GATE_KEY = "call_gate"
 
 
 class SharedExclusiveGate:
@@ -63,3 +72,12 @@ class SharedExclusiveGate:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
+
+
+def model_gate(model: nn.Module) -> SharedExclusiveGate | None:
+    """The gate of a patched model whose calls may compile (its compiled paged step), or ``None``. Code that runs
+    another model's forward on this model's behalf (a draft model) shares it, so that the draft's eager attention
+    never runs while this model compiles."""
+    state = get_state(model)
+    gate = None if state is None else state.extras.get(GATE_KEY)
+    return gate if isinstance(gate, SharedExclusiveGate) else None

@@ -12,6 +12,7 @@ forward, over a cache that appends in place (:mod:`hf_accel.native.growing`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
+from ..core.gate import model_gate
 from ..native.growing import rollback_cache
 from ..native.step import LeanStep
 from .ragged import LEAN_MAX_WIDTH, RaggedCache
@@ -149,6 +151,9 @@ class DraftModel(Strategy):
         self._check(target)
         super().start(target, batch, sampling, processors)
         model = self._draft_for(target)
+        # the draft's calls wait while the target compiles (core/gate.py); a target drafting for itself is gated
+        # by its own forward already (the gate is not re-entrant)
+        self._gate = model_gate(target) if model is not target else None
         self._step = LeanStep.build(model)
         self._ragged = RaggedCache(
             model,
@@ -165,6 +170,7 @@ class DraftModel(Strategy):
 
     def finish(self) -> None:
         self._ragged = None
+        self._gate = None
 
     def _pick(self, row_ids: list[torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next draft token of every row from ``logits`` ``[B, V]``, and the sampling probabilities."""
@@ -215,7 +221,8 @@ class DraftModel(Strategy):
             chunk[i, width - f.shape[0] :] = f
             valid[i, width - f.shape[0] :] = True
         last = 1 + max(g.shape[0] for g in guesses)
-        logits = ragged.feed(chunk.to(device), valid.to(device), last=last)  # [B, last, V]
+        with self._gate.shared() if self._gate is not None else contextlib.nullcontext():
+            logits = ragged.feed(chunk.to(device), valid.to(device), last=last)  # [B, last, V]
         picks = None if self.sampling or self.processors else logits.argmax(-1).cpu()  # [B, last] greedy, plain
         drop = [0] * len(feeds)
         for i, guess in enumerate(guesses):
