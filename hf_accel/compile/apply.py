@@ -190,7 +190,7 @@ def _compile_paged_decode(model: nn.Module, parts: ModelParts, config: CompileCo
     step = CompiledPagedDecode(model, config, slots)
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)
-    for slot in slots:  # inert on a device whose step is compiled whole (CUDA graphs)
+    for slot in slots:  # regional: each layer runs its kind's compiled forward inside a decode step
         recorder.set_instance_attr(FEATURE, slot.layer, "forward", RegionalLayer(step, slot), "decoder layer: "
                                    "compiled by region inside paged decode steps")  # fmt: skip
     variant = step.variant(devices.pop().type)  # the device it is on now; another device gets its own step

@@ -37,7 +37,7 @@ from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
 from ..paged.step_op import DecodePlan
 from .buckets import pad_step
-from .regional import LayerSlot, compile_layers
+from .regional import LayerSlot, compile_layers, own_code_copy
 
 __all__ = ["CompiledPagedDecode"]
 
@@ -267,9 +267,5 @@ class _Variant(NamedTuple):
         if step.layers:  # regional (never with CUDA graphs): the model's forward eager, its layers compiled
             layers, codes = compile_layers(step.layers, kwargs)
             return _Variant(types.MethodType(CompiledPagedDecode._step, step), codes, static, False, layers)
-        # dynamo keeps graphs (and its recompile limit, 8) per code object, and each model's graphs guard on that
-        # model: with one shared ``_step`` the ninth patched model of a process would fall back to eager (or fail
-        # with fullgraph). Each instance (and device type) therefore compiles its own copy of the code.
-        fn = CompiledPagedDecode._step
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        own = own_code_copy(CompiledPagedDecode._step)  # per instance and device type
         return _Variant(torch.compile(types.MethodType(own, step), **kwargs), (own.__code__,), static, graphs, {})

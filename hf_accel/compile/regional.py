@@ -26,7 +26,7 @@ from ..paged.step_op import DecodePlan
 if TYPE_CHECKING:
     from .paged_step import CompiledPagedDecode
 
-__all__ = ["LayerSlot", "RegionalLayer", "compile_layers", "layer_slots"]
+__all__ = ["LayerSlot", "RegionalLayer", "compile_layers", "layer_slots", "own_code_copy"]
 
 
 class LayerSlot(NamedTuple):
@@ -49,6 +49,13 @@ def layer_slots(model: nn.Module, layers: list[tuple[nn.Module, nn.Module, int]]
     return tuple(slots)
 
 
+def own_code_copy(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a code object of its own. Dynamo keeps graphs and its recompile limit (8) per code object, and
+    each model's graphs guard on that model: compiling one shared function, the ninth patched model of a process
+    would fall back to eager (or fail with fullgraph). Each model compiles its own copy instead."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def compile_layers(
     slots: tuple[LayerSlot, ...], compile_kwargs: dict[str, Any]
 ) -> tuple[dict[str, Any], tuple[types.CodeType, ...]]:
@@ -58,9 +65,7 @@ def compile_layers(
     codes: list[types.CodeType] = []
     for slot in slots:
         if slot.kind not in compiled:
-            fn = type(slot.layer).forward
-            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                     fn.__closure__)  # fmt: skip
+            own = own_code_copy(type(slot.layer).forward)
             compiled[slot.kind] = torch.compile(own, **compile_kwargs)
             codes.append(own.__code__)
     return compiled, tuple(codes)
