@@ -368,3 +368,31 @@ def test_speculation_with_paged_goes_past_a_sliding_window(speculation):
         assert hf_accel.last_stats(model).speculative["acceptance_rate"] == 1.0
     with pytest.raises(IncompatibleOptionsError, match=r"past the sliding window .* pass paged=True"):
         model.generate(input_ids=ids, attention_mask=mask, **extra, **kw)
+
+
+@pytest.mark.parametrize("features", [{}, {"int8": True}])
+@pytest.mark.parametrize("extra", [{"paged": True}, {"paged": True, "prompt_lookup": True}, {"prompt_lookup": True}])
+def test_calls_inside_and_outside_inference_mode_share_the_kept_caches(features, extra):
+    """A web server may run one request under ``torch.inference_mode()`` and the next under ``no_grad``: the paged
+    pools kept on the model between calls are normal tensors, which both may write in place (an inference tensor
+    refuses in-place updates outside inference mode)."""
+    plain = tiny_model("llama")
+    patched = hf_accel.patch_model(copy.deepcopy(plain), **features)
+    ids, mask = random_batch(2, seed=3)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **KW)
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            got = patched.generate(input_ids=ids, attention_mask=mask, **KW, **extra)
+        if not features:  # int8 is lossy: the same tokens are not promised
+            assert torch.equal(got, expected), mode
+    # a cache, and an Engine, built under inference mode serve outside it (the Engine's loop is another thread)
+    with torch.inference_mode():
+        cache = PagedCache(patched, num_blocks=16, block_size=4)
+        engine = Engine(patched)
+    patched.generate(input_ids=ids, attention_mask=mask, paged=cache, **KW)
+    engine.start()
+    try:
+        rid = engine.add_request(ids[1].tolist(), max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert len(list(engine.stream(rid, timeout=60))) == 8
+    finally:
+        engine.stop()

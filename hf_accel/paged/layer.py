@@ -44,8 +44,11 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.device = device
         self.dtype = dtype
-        self.keys = torch.empty(shape, dtype=dtype, device=device)  # [NB, BS, H_kv, D]; never read before written
-        self.values = torch.empty(shape, dtype=dtype, device=device)
+        # normal tensors even under torch.inference_mode(): the pools outlive the call and are written in place by
+        # later ones, which may run outside it (an inference tensor refuses in-place updates there)
+        with torch.inference_mode(False):
+            self.keys = torch.empty(shape, dtype=dtype, device=device)  # [NB, BS, H_kv, D]; never read before written
+            self.values = torch.empty(shape, dtype=dtype, device=device)
         self.zeroed = False  # pools zero-filled (and kept so as they grow): attention that reads whole blocks
         self.is_initialized = True
         self.pending = False  # K/V handed out by update() and not yet written by the attention function
@@ -114,10 +117,11 @@ class PagedLayer(CacheLayerMixin):
         old = self.keys.shape[0]
         shape = (num_blocks, *self.keys.shape[1:])
         new = torch.zeros if self.zeroed else torch.empty
-        keys = new(shape, dtype=self.dtype, device=self.device)  # [NB', BS, H_kv, D]
-        values = new(shape, dtype=self.dtype, device=self.device)
-        keys[:old].copy_(self.keys)
-        values[:old].copy_(self.values)
+        with torch.inference_mode(False):  # normal tensors, as in __init__
+            keys = new(shape, dtype=self.dtype, device=self.device)  # [NB', BS, H_kv, D]
+            values = new(shape, dtype=self.dtype, device=self.device)
+            keys[:old].copy_(self.keys)
+            values[:old].copy_(self.values)
         self.keys, self.values = keys, values
 
     def zero_fill(self) -> None:

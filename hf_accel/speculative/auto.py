@@ -12,6 +12,7 @@ from torch import nn
 
 from ..core.call import GenerateCall
 from ..core.errors import IncompatibleOptionsError
+from ..core.protocols import RowRollback
 from ..native.apply import NativeForward
 from .rows import check_left_padding
 
@@ -42,9 +43,13 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return f"{', '.join(asked)} asked for"
     if call.kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds instead of input_ids"
+    cache = call.kwargs.get("cache")
     if call.kwargs.get("past_key_values") is not None or call.kwargs.get("cache_implementation") is not None:
         return "a cache chosen by the caller"
-    if getattr(call.kwargs.get("cache"), "prefix_cache", False):
+    if cache is not None and not isinstance(cache, RowRollback):
+        # the caller keeps it (a multi-turn chat): it gets the cache Transformers' own decoding leaves
+        return f"a cache of the caller's ({type(cache).__name__})"
+    if getattr(cache, "prefix_cache", False):
         return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
     if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
         return "stop_strings without tokenizer="

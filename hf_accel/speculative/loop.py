@@ -66,6 +66,7 @@ class _Loop:
         self.stopping = stopping
         self.sampling = bool(config.do_sample)
         self.stats = SpeculativeStats(strategy.name)
+        self.publish = False  # someone keeps the Transformers cache after the call (set by run)
         self.policy: SpeculationPolicy | None = None
         self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
@@ -119,6 +120,8 @@ class _Loop:
         from transformers import DynamicCache
 
         cache = model_kwargs.get("cache")
+        # someone keeps a Transformers cache after the call: every row stays in it to the end (RaggedCache.settle)
+        publish = cache is not None or bool(cfg.return_dict_in_generate)
         if cache is None:
             cache = DynamicCache(config=self.model.config)
         check_cache(self.model, cache, cfg.max_length)
@@ -134,6 +137,7 @@ class _Loop:
             self.stats.target = (
                 "paged cache" if isinstance(cache, RowRollback) else f"model forward: {type(cache).__name__}"
             )
+        self.publish = publish and not isinstance(cache, RowRollback)
         rows = Rows(input_ids, mask, cfg.max_length)
         self.rows = rows
         self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(len(rows.done))}
@@ -148,6 +152,8 @@ class _Loop:
             active = self._compact(ragged, list(range(len(rows.done))))
             while active:
                 active = self._step(ragged, active)
+            if self.publish:
+                self.stats.cache = ragged.settle(mask, [len(g) for g in rows.generated])
         finally:
             self.strategy.finish()
             if self.policy is not None:
@@ -162,6 +168,11 @@ class _Loop:
 
     def _prefill(self, ragged: RaggedCache, input_ids: torch.Tensor) -> None:
         start = ragged.cache.get_seq_length()
+        if start >= input_ids.shape[1]:
+            raise IncompatibleOptionsError(
+                f"the cache already holds {start} tokens and input_ids has {input_ids.shape[1]}: pass the whole "
+                "sequence the cache holds plus at least one new token (as generate returns it), or a fresh cache"
+            )
         t0 = time.perf_counter()
         with torch.no_grad():
             if self.screen is not None:
@@ -293,8 +304,8 @@ class _Loop:
         kernels run far slower (measured on this CPU: the LM head at 7 rows 23 ms, at 8 rows 12 ms).
         """
         keep = [i for i, row in enumerate(active) if not self.rows.done[row]]
-        if len(keep) == len(active) or (keep and 2 * len(keep) > len(active)):
-            return active
+        if len(keep) == len(active) or (keep and (self.publish or 2 * len(keep) > len(active))):
+            return active  # a kept cache keeps every row (RaggedCache.settle)
         self._select(ragged, keep, active)
         return [active[i] for i in keep]
 

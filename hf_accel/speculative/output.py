@@ -38,6 +38,10 @@ class SpeculativeStats:
         head: how greedy verification scored: ``"int8 screen"``, or ``"float head: <why not the screen>"``.
         target: what ran the target's chunks over Transformers' cache: ``"native executor (cpu/<isa>)"``, or
             ``"model forward: <why>"`` (over the paged cache: its own fast paths, ``"paged cache"``).
+        cache: what the call left in a Transformers cache someone keeps (the caller's, or the one
+            ``return_dict_in_generate`` returns): ``"kept"`` (K/V of the sequences but their last token, as
+            Transformers' decoding leaves it), ``"emptied: <why>"`` (passed back, the next call recomputes it), or
+            ``""`` (none kept).
     """
 
     strategy: str
@@ -51,6 +55,7 @@ class SpeculativeStats:
     verify_s: float = 0.0
     head: str = ""
     target: str = ""
+    cache: str = ""
 
     @property
     def acceptance_rate(self) -> float:

@@ -149,3 +149,62 @@ class RaggedCache:
         self.cache.batch_select_indices(index.to(self.mask.device))
         self.mask = self.mask[index.to(self.mask.device)]
         # columns that are now holes in every row are dead weight; they stay until the next crop
+
+    def settle(self, prompt_mask: torch.Tensor, generated: Sequence[int]) -> str:
+        """Leave the cache as Transformers' own decoding leaves it, for a caller who keeps it (a multi-turn chat
+        passing it back): every row's K/V of the call's sequences but their last token, in the sequences' layout
+        (the prompt's left padding, then the generated tokens; no holes, nothing past the end).
+
+        Rows that stopped at different lengths cannot be laid out so: Transformers' cache holds K/V of the padding
+        it fed a finished row, which no speculative step computed. Then, and for cache layers that cannot be
+        re-laid (sliding windows), the cache is emptied instead: passed back, it makes the next call recompute the
+        whole sequence (the same tokens, a longer prefill), never attend to stale or missing K/V.
+
+        Args:
+            prompt_mask: ``[B, P]`` the call's attention mask (the layout's first ``P`` columns).
+            generated: tokens each row generated.
+
+        Returns:
+            What was done: ``"kept"`` or ``"emptied: <why>"`` (``SpeculativeStats.cache``).
+        """
+        if self.batch != prompt_mask.shape[0] or min(generated, default=0) != max(generated, default=0):
+            return self._empty("rows stopped at different lengths")
+        width = prompt_mask.shape[1] + max(generated) - 1  # a continuation's cache: all but the last token
+        mask = self.mask.bool()  # [B, T]
+        cols = torch.arange(mask.shape[1], device=mask.device)  # [T]
+        pads = (prompt_mask.shape[1] - prompt_mask.sum(1)).to(mask.device)  # [B]: each row's left padding
+        rank = mask.long().cumsum(1)  # [B, T]: 1-based rank of each real column in its row
+        keep = (cols[None] < pads[:, None]) | (mask & (rank <= (width - pads)[:, None]))  # [B, T]
+        if mask.shape[1] < width or not bool((keep.sum(1) == width).all()):
+            return self._empty("its layout lacks tokens of the sequences")
+        if bool(keep[:, :width].all()):  # no holes before the end: a crop
+            if mask.shape[1] > width:
+                self.cache.crop(width - mask.shape[1])
+        elif not self._gather(keep.nonzero()[:, 1].view(-1, width)):
+            return self._empty("holes in a cache layer that cannot be re-laid (a sliding window)")
+        grown = torch.ones(mask.shape[0], width - prompt_mask.shape[1], dtype=torch.long, device=mask.device)
+        self.mask = torch.cat([prompt_mask.long().to(mask.device), grown], 1)  # [B, width]
+        return "kept"
+
+    def _gather(self, index: torch.Tensor) -> bool:
+        """Re-lay every layer's K/V as ``index`` ``[B, W]`` (each row's kept columns, in order) says; ``False``
+        (nothing changed) where a layer is not a plain full-attention ``DynamicLayer`` of the layout's width."""
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+        layers = getattr(self.cache, "layers", None) or []
+        width = self.mask.shape[1]
+        for layer in layers:
+            plain = isinstance(layer, DynamicLayer) and not isinstance(layer, DynamicSlidingWindowLayer)
+            keys = getattr(layer, "keys", None)
+            if not plain or keys is None or keys.dim() != 4 or keys.shape[-2] != width:
+                return False
+        for layer in layers:
+            k = layer.keys  # [B, H_kv, T, D]
+            where = index.to(k.device)[:, None, :, None].expand(k.shape[0], k.shape[1], -1, k.shape[3])
+            layer.keys, layer.values = k.gather(2, where), layer.values.gather(2, where)  # [B, H_kv, W, D]
+        return bool(layers)
+
+    def _empty(self, why: str) -> str:
+        self.cache.reset()
+        self.mask = self.mask[:, :0]
+        return f"emptied: {why}"
