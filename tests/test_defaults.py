@@ -84,6 +84,9 @@ def test_calls_speculation_cannot_reproduce_decode_as_usual_and_say_why():
     assert "left-padded" in _skipped(patched, ids=holed, mask=None)
     prefixed = hf_accel.PagedConfig(prefix_cache=True)
     assert "prefix caching" in _skipped(patched, paged=prefixed)
+    # classifier-free guidance: its processor runs the model once per token, in order (also under paged=True)
+    for paged in (None, True):
+        assert "classifier-free guidance (guidance_scale=1.5)" in _skipped(patched, paged=paged, guidance_scale=1.5)
 
 
 def test_the_draft_is_announced_once_and_memory_is_checked_first(monkeypatch, caplog):

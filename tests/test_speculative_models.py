@@ -534,6 +534,7 @@ def test_bad_input_is_a_clear_error():
         (dict(speculative="fast"), "takes a Strategy, a SpeculativeConfig or True, got str"),
         (dict(prompt_lookup=True, cache_implementation="static"), "needs a cache that can roll back"),
         (dict(speculative=PromptLookup(), num_speculative_tokens=2), "does not apply to a Strategy instance"),
+        (dict(prompt_lookup=True, guidance_scale=2.0), "cannot be combined with classifier-free guidance"),
     ]
     for extra, message in cases:
         with pytest.raises(IncompatibleOptionsError) as info:

@@ -133,6 +133,14 @@ def _check_call(model: nn.Module, call: GenerateCall) -> None:
         raise IncompatibleOptionsError(
             f"speculative generation cannot be combined with beam search (num_beams={beams}); use num_beams=1"
         )
+    guidance = kwargs.get("guidance_scale", getattr(config, "guidance_scale", None))
+    if guidance is not None and guidance != 1:
+        # Transformers' processor runs the model on the unconditional input once per token, in order, over its own
+        # cache: a verification's several positions per call would advance it wrongly
+        raise IncompatibleOptionsError(
+            f"speculative generation cannot be combined with classifier-free guidance (guidance_scale={guidance}): "
+            "drop guidance_scale, or the speculative keyword for this call"
+        )
     clashing = [name for name in _TRANSFORMERS_ASSISTED if kwargs.get(name) is not None]
     if clashing:
         raise IncompatibleOptionsError(
