@@ -21,7 +21,7 @@ from .core.recorder import Recorder
 from .core.registry import ModelParts, decoder_linears, get_spec, resolve
 from .core.state import STATE_ATTR, Feature, PatchState, get_state
 from .engine.apply import bind_generate_many
-from .fused.apply import apply_fused_mlp
+from .fused.apply import apply_fused_mlp, bind_fused_mlp
 from .generate import bind_generate
 from .native.apply import apply_native, native_unavailable
 from .native.half import HALF_DTYPES
@@ -45,7 +45,7 @@ def _apply_paged(model: nn.Module, parts: ModelParts, cfg: PagedConfig, recorder
 #: Feature name -> implementation. Order of application follows ``core.config.FEATURE_CONFIGS``.
 FEATURES: dict[str, Feature] = {
     "int8": Feature(apply_int8, lossless=False),
-    "fused_mlp": Feature(apply_fused_mlp, lossless=True),
+    "fused_mlp": Feature(apply_fused_mlp, lossless=True, bind=bind_fused_mlp),
     "paged": Feature(_apply_paged, lossless=True, bind=bind_paged, plain=plain_paged),
     "speculative": Feature(apply_speculative, lossless=True, bind=bind_speculative),
     "compile": Feature(apply_compile, lossless=True, bind=bind_compile, plain=plain_compile),

@@ -132,13 +132,24 @@ def get_attr_path(root: nn.Module, path: str) -> nn.Module:
 
 def decoder_linears(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Linear]]:
     """``(name, module)`` of every plain ``nn.Linear`` inside the decoder layers (a fused MLP's ``gate_up_proj``
-    included), plus the LM head."""
+    included), plus the LM head; none inside an adapter-wrapped projection (PEFT's layers keep a ``base_layer`` and
+    read their own linears' weights, so swapping or packing them would break the adapter)."""
     prefix, head = f"{spec.layers}.", spec.lm_head
+    modules = list(model.named_modules())
+    wrapped = {name for name, module in modules if isinstance(getattr(module, "base_layer", None), nn.Module)}
     return [
         (name, module)
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and (name.startswith(prefix) or name == head)
+        for name, module in modules
+        if type(module) is nn.Linear and (name.startswith(prefix) or name == head) and not _inside(name, wrapped)
     ]
+
+
+def _inside(name: str, wrapped: set[str]) -> bool:
+    """Whether module ``name`` lies inside one of the ``wrapped`` modules."""
+    if not wrapped:
+        return False
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in wrapped for i in range(1, len(parts)))
 
 
 def parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -156,6 +167,16 @@ def _check_causal_lm(model: nn.Module) -> None:
     from transformers import GenerationMixin, PreTrainedModel
 
     name = type(model).__name__
+    inner = getattr(model, "get_base_model", None)
+    if name.startswith("Peft") and callable(inner):  # a PEFT wrapper around a causal LM
+        raise UnsupportedModelError(
+            _model_type(model),
+            ARCHITECTURES,
+            reason=f"{name} is PEFT's wrapper: patch the causal LM inside it, hf_accel.patch_model(model."
+            "get_base_model()), and keep calling model.generate (adapter-wrapped projections run their own forward "
+            "there, so features that would bypass them leave those layers alone); for full speed merge the adapter "
+            "first, model = model.merge_and_unload()",
+        )
     if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
         raise UnsupportedModelError(
             _model_type(model),

@@ -9,18 +9,22 @@ views into it, and the row-wise ``down_proj`` keeps Transformers' all-reduce.
 from __future__ import annotations
 
 import logging
+import re
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.call import GenerateCall
 from ..core.config import FusedMLPConfig
 from ..core.dispatch import is_offloaded, is_sharded, local_tensor, tp_style, transfer_hook
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ArchSpec, ModelParts, get_attr_path, parent_and_name
+from ..core.state import PatchState
 from .mlp import FusedGatedMLP
 
-__all__ = ["apply_fused_mlp"]
+__all__ = ["apply_fused_mlp", "bind_fused_mlp"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "fused_mlp"
@@ -118,3 +122,42 @@ def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig,
         transfer_hook(layer.mlp, fused)
         parent, name = parent_and_name(layer.layer, spec.mlp)
         recorder.set_submodule(FEATURE, parent, name, fused, "MLP fused")
+
+
+def bind_fused_mlp(model: nn.Module, state: PatchState, config: FusedMLPConfig) -> None:
+    """A call hook that refuses PEFT adapters added after patching that target the projections fused MLPs replaced:
+    PEFT does not find them there and leaves the adapter's weights for them out, silently."""
+    del config
+    hidden = [
+        f"{name}.{attr}"
+        for name, module in model.named_modules()
+        if isinstance(module, FusedGatedMLP) and module.split_names
+        for attr in module.split_names
+    ]  # e.g. model.layers.0.mlp.gate_proj
+    if not hidden:
+        return
+
+    def hook(model: nn.Module, call: GenerateCall) -> None:
+        adapters = getattr(model, "peft_config", None)  # set by PEFT on the model it injects adapters into
+        if not adapters:
+            return
+        for adapter, adapter_config in dict(adapters).items():
+            missed = sorted({key.rpartition(".")[2] for key in hidden if _targets(adapter_config, key)})
+            if missed:
+                raise IncompatibleOptionsError(
+                    f"PEFT adapter {adapter!r} targets {', '.join(missed)}, which fused_mlp replaced with one "
+                    "gate_up_proj when the model was patched, so the adapter's weights for them were left out: "
+                    "add adapters before patching (unpatch_model, add the adapter, then patch_model(peft_model."
+                    "get_base_model()): adapter-wrapped projections stay unfused), or patch with fused_mlp=False"
+                )
+
+    state.call_hooks.append(hook)
+
+
+def _targets(adapter_config: Any, key: str) -> bool:
+    """Whether a PEFT config's ``target_modules`` names the module ``key`` (PEFT's rule: a regular expression
+    matching the whole key, or a name equal to the key or to its last dotted parts)."""
+    targets = getattr(adapter_config, "target_modules", None)
+    if isinstance(targets, str):
+        return re.fullmatch(targets, key) is not None
+    return any(key == t or key.endswith(f".{t}") for t in targets or ())
