@@ -72,6 +72,8 @@ def draw(seed: int, archs: list[str], features: tuple[str, ...] = ("default", "n
         options["num_beams"] = 2
     if rng.random() < 0.1:
         options["num_return_sequences"] = 2
+    if rng.random() < 0.05:
+        options["guidance_scale"] = 1.5
     return Case(
         seed=seed,
         arch=rng.choice(archs),
@@ -103,6 +105,7 @@ def promise(case: Case, stops: bool | None = None) -> tuple[str, type[Exception]
         (paged and outputs and opts.get("return_dict_in_generate"), r"generate\(paged=...\) does not return"),
         ((paged or speculative) and ragged, "right padding|left-padded|left padding"),
         (speculative and scores and rows > 1 and finishes, "for a batch of .* rows that may finish"),
+        (speculative and opts.get("guidance_scale"), "classifier-free guidance"),
     ]
     patterns = [pattern for applies, pattern in refusals if applies]
     if patterns:
@@ -188,7 +191,27 @@ def check(case: Case, tokenizer: Any = None) -> str:
         return outcome
     got = _generate(model, case, {**kwargs, **_extra(case)})
     compare(case, got, want, exact=outcome == "equal")
+    if outcome == "equal" and not case.options.get("do_sample"):
+        _next_turn(case, (plain, want), (model, got), mask)
     return outcome
+
+
+def _next_turn(case: Case, plain: tuple[Any, Any], patched: tuple[Any, Any], mask: torch.Tensor) -> None:
+    """A returned cache passed back with the sequences (the next turn of a chat): three more greedy tokens, equal.
+    A paged call returns none (docs/guarantees.md); a speculative one the cache Transformers leaves, or an empty one."""
+    cache_want, cache_got = (getattr(out, "past_key_values", None) for _, out in (plain, patched))
+    expanded = case.options.get("num_return_sequences", 1) > 1 or case.options.get("num_beams", 1) > 1
+    if cache_want is None or cache_got is None or expanded:  # a beam search's cache holds every beam
+        return
+    (plain_model, want), (model, got) = plain, patched
+    grown = torch.ones(mask.shape[0], want.sequences.shape[1] - mask.shape[1], dtype=mask.dtype)
+    kwargs = {"attention_mask": torch.cat([mask, grown], 1), "max_new_tokens": 3, "do_sample": False}
+    kwargs.update(pad_token_id=PAD, eos_token_id=None)
+    after_want = _generate(plain_model, case, {"input_ids": want.sequences, "cache": cache_want, **kwargs})
+    after_got = _generate(model, case, {"input_ids": got.sequences, "cache": cache_got, **kwargs})
+    assert torch.equal(after_got, after_want), (
+        f"{case}: next turn\n got {after_got.tolist()}\nwant {after_want.tolist()}"
+    )
 
 
 def compare(case: Case, got: Any, want: Any, exact: bool) -> None:
