@@ -84,6 +84,13 @@ def test_an_adapter_added_after_patching_must_not_miss_the_fused_projections():
     adapted = _adapted(patched, ALL)
     with pytest.raises(IncompatibleOptionsError, match="targets gate_proj, up_proj, which fused_mlp replaced"):
         adapted.generate(input_ids=ids, attention_mask=mask, **KW)
+    # the recipe the error gives: remove the adapter, unpatch, add it again, patch the adapted model's causal LM
+    expected = _adapted(copy.deepcopy(base), ALL).generate(input_ids=ids, attention_mask=mask, **KW)
+    model = adapted.unload()
+    hf_accel.unpatch_model(model)
+    again = _adapted(model, ALL)
+    hf_accel.patch_model(again.get_base_model())
+    assert torch.equal(again.generate(input_ids=ids, attention_mask=mask, **KW), expected)
     regex = _adapted(hf_accel.patch_model(copy.deepcopy(base)), r".*\.(q_proj|up_proj)")
     with pytest.raises(IncompatibleOptionsError, match="targets up_proj, which"):
         regex.generate(input_ids=ids, attention_mask=mask, **KW)

@@ -146,9 +146,10 @@ def bind_fused_mlp(model: nn.Module, state: PatchState, config: FusedMLPConfig) 
             if missed:
                 raise IncompatibleOptionsError(
                     f"PEFT adapter {adapter!r} targets {', '.join(missed)}, which fused_mlp replaced with one "
-                    "gate_up_proj when the model was patched, so the adapter's weights for them were left out: "
-                    "add adapters before patching (unpatch_model, add the adapter, then patch_model(peft_model."
-                    "get_base_model()): adapter-wrapped projections stay unfused), or patch with fused_mlp=False"
+                    "gate_up_proj when the model was patched, so the adapter's weights for them were left out. Add "
+                    "adapters before patching: model = peft_model.unload(); hf_accel.unpatch_model(model); add the "
+                    "adapter again; hf_accel.patch_model(peft_model.get_base_model()) (adapter-wrapped projections "
+                    "stay unfused). Or patch with fused_mlp=False"
                 )
 
     state.call_hooks.append(hook)
