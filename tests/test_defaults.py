@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from helpers import generate_in_threads, random_batch, tiny_model
+from transformers import LogitsProcessorList
 
 import hf_accel
 from hf_accel.core.errors import IncompatibleOptionsError, UnsupportedModelError
@@ -84,6 +85,20 @@ def test_calls_speculation_cannot_reproduce_decode_as_usual_and_say_why():
     assert "left-padded" in _skipped(patched, ids=holed, mask=None)
     prefixed = hf_accel.PagedConfig(prefix_cache=True)
     assert "prefix caching" in _skipped(patched, paged=prefixed)
+    # a caller's processor may keep state across calls: speculation would call it at every drafted position
+    ids, mask = random_batch(2, [5, 8], seed=3)
+    runs = []
+    for model in (_model(), patched):
+        calls = []
+
+        def counting(ids, scores, calls=calls):  # a function of how often it was called: bans 7 from the 4th call
+            calls.append(1)
+            return scores.index_fill(-1, torch.tensor([7]), -float("inf")) if len(calls) > 3 else scores
+
+        processors = LogitsProcessorList([counting])
+        runs.append(model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors, **KW))
+    assert torch.equal(runs[0], runs[1]) and hf_accel.last_stats(patched).speculative is None
+    assert "logits processor of the caller's" in hf_accel.last_stats(patched).speculation_skipped
     # classifier-free guidance: its processor runs the model once per token, in order (also under paged=True)
     for paged in (None, True):
         assert "classifier-free guidance (guidance_scale=1.5)" in _skipped(patched, paged=paged, guidance_scale=1.5)

@@ -43,6 +43,10 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return f"{', '.join(asked)} asked for"
     if call.kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds instead of input_ids"
+    if call.kwargs.get("logits_processor"):
+        # speculation calls processors at every drafted position, rejected ones included: one that keeps state
+        # across calls (counts them, runs a model of its own) would see calls plain decoding never makes
+        return "a logits processor of the caller's (speculation calls it at every drafted position)"
     cache = call.kwargs.get("cache")
     if call.kwargs.get("past_key_values") is not None or call.kwargs.get("cache_implementation") is not None:
         return "a cache chosen by the caller"
