@@ -99,6 +99,18 @@ def test_calls_speculation_cannot_reproduce_decode_as_usual_and_say_why():
         runs.append(model.generate(input_ids=ids, attention_mask=mask, logits_processor=processors, **KW))
     assert torch.equal(runs[0], runs[1]) and hf_accel.last_stats(patched).speculative is None
     assert "logits processor of the caller's" in hf_accel.last_stats(patched).speculation_skipped
+    # a static cache set on the model's generation config (as for Transformers' compile): plain decoding as asked;
+    # cache_implementation=None in the call lifts it, and the call speculates again
+    static = _model()
+    static.generation_config.cache_implementation = "static"
+    patched_static = hf_accel.patch_model(static)
+    plain_static = _model()
+    plain_static.generation_config.cache_implementation = "static"
+    expected = plain_static.generate(input_ids=ids, attention_mask=mask, **KW)
+    assert torch.equal(patched_static.generate(input_ids=ids, attention_mask=mask, **KW), expected)
+    assert hf_accel.last_stats(patched_static).speculation_skipped == "a cache chosen by the caller"
+    lifted = patched_static.generate(input_ids=ids, attention_mask=mask, cache_implementation=None, **KW)
+    assert torch.equal(lifted, expected) and hf_accel.last_stats(patched_static).speculative is not None
     # classifier-free guidance: its processor runs the model once per token, in order (also under paged=True)
     for paged in (None, True):
         assert "classifier-free guidance (guidance_scale=1.5)" in _skipped(patched, paged=paged, guidance_scale=1.5)

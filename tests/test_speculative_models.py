@@ -532,7 +532,7 @@ def test_bad_input_is_a_clear_error():
         (dict(num_speculative_tokens=3), "num_speculative_tokens= needs draft_model=, prompt_lookup=True"),
         (dict(prompt_lookup=True, prompt_lookup_num_tokens=3), "replaces Transformers' assisted generation"),
         (dict(speculative="fast"), "takes a Strategy, a SpeculativeConfig or True, got str"),
-        (dict(prompt_lookup=True, cache_implementation="static"), "needs a cache that can roll back"),
+        (dict(prompt_lookup=True, cache_implementation="static"), "pass cache_implementation=None to this call"),
         (dict(speculative=PromptLookup(), num_speculative_tokens=2), "does not apply to a Strategy instance"),
         (dict(prompt_lookup=True, guidance_scale=2.0), "cannot be combined with classifier-free guidance"),
     ]

@@ -48,8 +48,8 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         # across calls (counts them, runs a model of its own) would see calls plain decoding never makes
         return "a logits processor of the caller's (speculation calls it at every drafted position)"
     cache = call.kwargs.get("cache")
-    if call.kwargs.get("past_key_values") is not None or call.kwargs.get("cache_implementation") is not None:
-        return "a cache chosen by the caller"
+    if call.kwargs.get("past_key_values") is not None or _option(call, model, "cache_implementation", None):
+        return "a cache chosen by the caller"  # the keyword, or the generation config's (static for compile)
     if cache is not None and not isinstance(cache, RowRollback):
         # the caller keeps it (a multi-turn chat): it gets the cache Transformers' own decoding leaves
         return f"a cache of the caller's ({type(cache).__name__})"

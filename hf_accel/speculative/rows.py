@@ -141,7 +141,8 @@ def check_cache(model: nn.Module, cache: Any, max_length: int) -> None:
     if _is_static(cache) or not hasattr(cache, "crop"):
         raise IncompatibleOptionsError(
             "speculative generation needs a cache that can roll back (DynamicCache or hf_accel.PagedCache), "
-            f"got {type(cache).__name__}; drop cache_implementation= or pass paged=True"
+            f"got {type(cache).__name__} (cache_implementation=, set in the call, generation_config= or "
+            "model.generation_config): pass cache_implementation=None to this call, or paged=True"
         )
     window = getattr(model.config, "sliding_window", None)
     if _has_sliding_layers(cache) and window is not None and max_length > window:
