@@ -39,12 +39,14 @@ class Case:
     speculation: str
     options: dict[str, Any] = field(default_factory=dict)
     stop: bool = False
+    in_config: tuple[str, ...] = ()  # options set on model.generation_config instead of passed to the call
 
     def __str__(self) -> str:
         pad = "right" if self.right_pad else "left"
         return (
             f"seed={self.seed} {self.arch} init={self.init} features={self.features} lengths={self.lengths} "
             f"{pad}-padded paged={self.paged} speculation={self.speculation} stop={self.stop} {self.options}"
+            + (f" in generation_config: {list(self.in_config)}" if self.in_config else "")
         )
 
 
@@ -74,7 +76,14 @@ def draw(seed: int, archs: list[str], features: tuple[str, ...] = ("default", "n
         options["num_return_sequences"] = 2
     if rng.random() < 0.05:
         options["guidance_scale"] = 1.5
+    # a second stream, so the draws above stay what they were for every seed
+    later = random.Random(seed * 7919 + 1)
+    if later.random() < 0.05:
+        options["cache_implementation"] = "static"
+    settable = [k for k in options if k not in ("max_new_tokens", "eos_token_id")]
+    in_config = tuple(k for k in settable if later.random() < 0.3) if later.random() < 0.3 else ()
     return Case(
+        in_config=in_config,
         seed=seed,
         arch=rng.choice(archs),
         init=rng.choice([0.2, 0.02]),
@@ -106,6 +115,7 @@ def promise(case: Case, stops: bool | None = None) -> tuple[str, type[Exception]
         ((paged or speculative) and ragged, "right padding|left-padded|left padding"),
         (speculative and scores and rows > 1 and finishes, "for a batch of .* rows that may finish"),
         (speculative and opts.get("guidance_scale"), "classifier-free guidance"),
+        ((paged or speculative) and opts.get("cache_implementation"), "cache_implementation"),
     ]
     patterns = [pattern for applies, pattern in refusals if applies]
     if patterns:
@@ -163,9 +173,10 @@ def _stop_string(out: Any, ids: torch.Tensor, tokenizer: Any) -> str | None:
 def check(case: Case, tokenizer: Any = None) -> str:
     """Run ``case`` on the unpatched and the patched model and compare as :func:`promise` says; returns the
     outcome checked (``"equal"``, ``"valid"``, ``"error"``, ``"same error"``)."""
-    plain = tiny_model(case.arch, initializer_range=case.init)
+    plain = _configured(tiny_model(case.arch, initializer_range=case.init), case)
     ids, mask = batch_of(case)
-    kwargs = {"input_ids": ids, "attention_mask": mask, "pad_token_id": PAD, **case.options}
+    options = {k: v for k, v in case.options.items() if k not in case.in_config}
+    kwargs = {"input_ids": ids, "attention_mask": mask, "pad_token_id": PAD, **options}
     if "eos_token_id" not in kwargs:
         kwargs["eos_token_id"] = None
     try:
@@ -177,7 +188,8 @@ def check(case: Case, tokenizer: Any = None) -> str:
         if stop is not None:
             kwargs.update(stop_strings=[stop], tokenizer=tokenizer)
             want = _generate(plain, case, kwargs)
-    model = hf_accel.patch_model(tiny_model(case.arch, initializer_range=case.init), **FEATURES[case.features])
+    model = _configured(tiny_model(case.arch, initializer_range=case.init), case)
+    model = hf_accel.patch_model(model, **FEATURES[case.features])
     outcome, error, pattern = promise(case, "stop_strings" in kwargs)
     if isinstance(want, Exception):  # Transformers refuses the options: the patched model refuses them too
         try:
@@ -196,12 +208,20 @@ def check(case: Case, tokenizer: Any = None) -> str:
     return outcome
 
 
+def _configured(model: Any, case: Case) -> Any:
+    """``model`` with the case's ``in_config`` options set on its generation config."""
+    for key in case.in_config:
+        setattr(model.generation_config, key, case.options[key])
+    return model
+
+
 def _next_turn(case: Case, plain: tuple[Any, Any], patched: tuple[Any, Any], mask: torch.Tensor) -> None:
     """A returned cache passed back with the sequences (the next turn of a chat): three more greedy tokens, equal.
     A paged call returns none (docs/guarantees.md); a speculative one the cache Transformers leaves, or an empty one."""
     cache_want, cache_got = (getattr(out, "past_key_values", None) for _, out in (plain, patched))
     expanded = case.options.get("num_return_sequences", 1) > 1 or case.options.get("num_beams", 1) > 1
-    if cache_want is None or cache_got is None or expanded:  # a beam search's cache holds every beam
+    static = case.options.get("cache_implementation") is not None  # sized for the first call only
+    if cache_want is None or cache_got is None or expanded or static:  # a beam search's cache holds every beam
         return
     (plain_model, want), (model, got) = plain, patched
     grown = torch.ones(mask.shape[0], want.sequences.shape[1] - mask.shape[1], dtype=mask.dtype)
@@ -209,6 +229,7 @@ def _next_turn(case: Case, plain: tuple[Any, Any], patched: tuple[Any, Any], mas
     kwargs.update(pad_token_id=PAD, eos_token_id=None)
     after_want = _generate(plain_model, case, {"input_ids": want.sequences, "cache": cache_want, **kwargs})
     after_got = _generate(model, case, {"input_ids": got.sequences, "cache": cache_got, **kwargs})
+    after_want, after_got = (a if isinstance(a, torch.Tensor) else a.sequences for a in (after_want, after_got))
     assert torch.equal(after_got, after_want), (
         f"{case}: next turn\n got {after_got.tolist()}\nwant {after_want.tolist()}"
     )
