@@ -199,3 +199,5 @@ def test_a_cache_holding_the_whole_input_is_a_clear_error():
         plain(input_ids=ids, cache=cache)
     with pytest.raises(IncompatibleOptionsError, match="already holds 9 tokens and input_ids has 9"):
         patched.generate(input_ids=ids, cache=cache, max_new_tokens=4, prompt_lookup=True)
+    with pytest.raises(IncompatibleOptionsError, match="input_ids holds no tokens"):
+        patched.generate(input_ids=ids[:, :0], max_new_tokens=4)  # the automatic speculation too

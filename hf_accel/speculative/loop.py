@@ -168,6 +168,8 @@ class _Loop:
 
     def _prefill(self, ragged: RaggedCache, input_ids: torch.Tensor) -> None:
         start = ragged.cache.get_seq_length()
+        if input_ids.shape[1] == 0:
+            raise IncompatibleOptionsError("input_ids holds no tokens: give at least one (a BOS token to start afresh)")
         if start >= input_ids.shape[1]:
             raise IncompatibleOptionsError(
                 f"the cache already holds {start} tokens and input_ids has {input_ids.shape[1]}: pass the whole "
