@@ -14,7 +14,7 @@ from ..core.call import GenerateCall
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
 from ..native.apply import NativeForward
-from .rows import check_left_padding
+from .rows import check_left_padding, rope_refusal
 
 __all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
 
@@ -57,7 +57,16 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
     if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
         return "stop_strings without tokenizer="
-    return _padding_refusal(model, call) or _cheap_target(model)
+    return _padding_refusal(model, call) or _rope_refusal(model, call) or _cheap_target(model)
+
+
+def _rope_refusal(model: nn.Module, call: GenerateCall) -> str | None:
+    """:func:`~.rows.rope_refusal` for the call's prompt and the most tokens it may reach."""
+    ids = call.input_ids()
+    prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
+    new = _option(call, model, "max_new_tokens", None)
+    limit = prompt + new if new is not None else _option(call, model, "max_length", 20)
+    return rope_refusal(model.config, prompt, limit)
 
 
 #: an automatic int8 self-draft must read at most this share of the bytes a target's step reads: a round of k drafts

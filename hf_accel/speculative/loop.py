@@ -34,7 +34,7 @@ from .kept import claimed
 from .output import SpeculativeStats, build_output
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
-from .rows import Rows, check_cache, row_independent, scoreless, widen
+from .rows import Rows, check_cache, rope_refusal, row_independent, scoreless, widen
 from .screen import HeadScreen
 from .strategies import Proposal, Strategy
 from .target import head_screen, screen_obstacle, target_obstacle, target_step
@@ -125,6 +125,9 @@ class _Loop:
         if cache is None:
             cache = DynamicCache(config=self.model.config)
         check_cache(self.model, cache, cfg.max_length)
+        why = rope_refusal(self.model.config, input_ids.shape[1], cfg.max_length)
+        if why is not None:
+            raise IncompatibleOptionsError(f"speculative generation would not give the model's own tokens: {why}")
         step = None
         if type(cache) is DynamicCache:  # its full-attention layers append in place from here on (same contract)
             to_growing(cache)
