@@ -13,7 +13,7 @@ from helpers import PAD, random_batch, tiny_model
 
 import hf_accel
 from hf_accel import IncompatibleOptionsError
-from hf_accel.speculative.rows import rope_refusal
+from hf_accel.speculative.rows import length_following_rope, rope_refusal
 
 KW = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD)
 LONGROPE = {
@@ -41,6 +41,7 @@ def test_rope_refusal_names_the_calls_whose_chunks_would_see_other_frequencies()
         max_position_embeddings=128,
     )
     assert rope_refusal(per_layer, 20, 40) is not None
+    assert length_following_rope(per_layer) == [("longrope", 32)] and length_following_rope(plain) == []
 
 
 def _dynamic(arch: str):
@@ -80,3 +81,21 @@ def test_longrope_refuses_only_calls_that_cross_its_switch():
             else:
                 assert torch.equal(patched.generate(**call, **extra), expected), (lengths, extra)
         assert torch.equal(patched.generate(**call, paged=True), expected)  # one token a step: exact
+
+
+def test_an_engine_over_a_length_following_rope_says_requests_share_its_frequencies(caplog):
+    """Requests stepped together share the longest one's frequencies (as in Transformers' batched generate): the
+    Engine says so once, at construction."""
+    model = hf_accel.patch_model(_dynamic("llama"))
+    with caplog.at_level("WARNING", logger="hf_accel.engine"):
+        hf_accel.Engine(model)
+    assert [r.message for r in caplog.records if "rotary embedding" in r.message] == [
+        "hf_accel: Engine: LlamaForCausalLM's rotary embedding (rope_type 'dynamic') takes its frequencies from the "
+        "longest sequence in each forward past 48 tokens, so a request stepped with longer ones may get other tokens "
+        "than its own generate call (as in Transformers' batched generate); call generate per request where that "
+        "matters"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_accel.engine"):
+        hf_accel.Engine(hf_accel.patch_model(tiny_model("llama")))
+    assert not [r for r in caplog.records if "rotary embedding" in r.message]

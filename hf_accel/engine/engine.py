@@ -29,6 +29,7 @@ from ..core.errors import IncompatibleOptionsError, NotPatchedError
 from ..core.state import get_state
 from ..paged.cache import PagedCache
 from ..paged.layer import uses_paged_attention
+from ..speculative.rows import length_following_rope
 from .ledger import Ledger, UnknownRequestError
 from .request import FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec, prompt_ids
 from .runner import next_tokens, packed_forward, stop_reason
@@ -102,6 +103,7 @@ class Engine:
         if paged is not None and not isinstance(paged, PagedConfig):
             raise IncompatibleOptionsError(f"Engine.paged must be a PagedConfig or None, got {type(paged).__name__}")
         cfg = paged or dataclasses.replace(state.config.paged, prefix_cache=True)
+        _warn_shared_rope(model)
         self.model = model
         self.tokenizer = tokenizer
         self.device = device_of(model)
@@ -432,3 +434,16 @@ class Engine:
                 state.computed = min(state.computed, len(state.tokens) - 1)
                 self._end(state, reason)
                 return
+
+
+def _warn_shared_rope(model: nn.Module) -> None:
+    """Say once per engine that requests stepped together share a length-following rotary embedding's frequencies."""
+    for kind, limit in length_following_rope(model.config):
+        logger.warning(
+            "hf_accel: Engine: %s's rotary embedding (rope_type %r) takes its frequencies from the longest sequence "
+            "in each forward past %d tokens, so a request stepped with longer ones may get other tokens than its own "
+            "generate call (as in Transformers' batched generate); call generate per request where that matters",
+            type(model).__name__,
+            kind,
+            limit,
+        )

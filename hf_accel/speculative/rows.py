@@ -18,7 +18,16 @@ from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
 from ..core.tokens import TokenBuffer
 
-__all__ = ["Rows", "check_cache", "check_left_padding", "rope_refusal", "row_independent", "scoreless", "widen"]
+__all__ = [
+    "Rows",
+    "check_cache",
+    "check_left_padding",
+    "length_following_rope",
+    "rope_refusal",
+    "row_independent",
+    "scoreless",
+    "widen",
+]
 
 
 class Rows:
@@ -172,32 +181,45 @@ def scoreless(criterion: Any) -> bool:
     return type(criterion) in _scoreless_criteria() or getattr(criterion, "reads_scores", True) is False
 
 
+def length_following_rope(config: Any) -> list[tuple[str, int]]:
+    """``(rope_type, limit)`` of each rotary embedding of ``config`` whose frequencies follow the length of the longest
+    sequence in a forward (Transformers' ``dynamic`` scaling: recomputed at every step past ``max_position_embeddings``;
+    ``longrope``: long factors once a forward passes ``original_max_position_embeddings``); empty for the others."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    entries = [params] if "rope_type" in params else [v for v in params.values() if isinstance(v, dict)]
+    found = []
+    for entry in entries:
+        kind = str(entry.get("rope_type", entry.get("type", "default")))
+        if "dynamic" in kind:
+            limit = getattr(config, "max_position_embeddings", None)
+        elif kind == "longrope":
+            limit = entry.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+        else:
+            continue
+        if limit is not None:
+            found.append((kind, int(limit)))
+    return found
+
+
 def rope_refusal(config: Any, prompt_len: int, max_length: int) -> str | None:
     """Why speculation cannot reproduce plain decoding's tokens for a call of ``prompt_len`` to ``max_length`` tokens
     (``None``: it can), as far as the rotary embedding decides: one whose frequencies follow the length of the longest
-    sequence in each forward gives a verification chunk other frequencies than one-token steps would. Transformers'
-    ``dynamic`` scaling recomputes them at every step past ``max_position_embeddings``; ``longrope`` switches to its
-    long factors once a forward passes ``original_max_position_embeddings`` (a call that starts past it is exact)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    entries = [params] if "rope_type" in params else [v for v in params.values() if isinstance(v, dict)]
-    for entry in entries:
-        kind = str(entry.get("rope_type", entry.get("type", "default")))
-        limit = getattr(config, "max_position_embeddings", None)
-        if "dynamic" in kind and limit is not None and max_length > limit:
+    sequence in each forward (:func:`length_following_rope`) gives a verification chunk other frequencies than
+    one-token steps would. A ``longrope`` call that starts past its switch is exact."""
+    for kind, limit in length_following_rope(config):
+        if "dynamic" in kind and max_length > limit:
             return (
                 f"the rotary embedding (rope_type {kind!r}) recomputes its frequencies at every step past {limit} "
                 f"tokens, so verification chunks would see other ones than one-token steps (this call may reach "
                 f"{max_length}): keep max_length <= {limit}, or decode without speculation"
             )
-        if kind == "longrope":
-            limit = entry.get("original_max_position_embeddings") or getattr(
-                config, "original_max_position_embeddings", None
+        if kind == "longrope" and prompt_len <= limit < max_length:
+            return (
+                f"the rotary embedding (rope_type 'longrope') switches to its long factors once a forward passes "
+                f"{limit} tokens, which this call crosses ({prompt_len} -> {max_length}) at another step in a "
+                f"verification chunk than one token at a time: keep max_length <= {limit}, or decode without "
+                "speculation"
             )
-            if limit is not None and prompt_len <= limit < max_length:
-                return (
-                    f"the rotary embedding (rope_type 'longrope') switches to its long factors once a forward passes "
-                    f"{limit} tokens, which this call crosses ({prompt_len} -> {max_length}) at another step in a "
-                    f"verification chunk than one token at a time: keep max_length <= {limit}, or decode without "
-                    "speculation"
-                )
     return None
