@@ -186,3 +186,36 @@ def test_beam_search_from_the_generation_config_is_not_speculated():
     got = patched.generate(input_ids=ids, attention_mask=mask, **KW)
     assert torch.equal(got, plain.generate(input_ids=ids, attention_mask=mask, **KW))
     assert "beam search" in hf_accel.last_stats(patched).speculation_skipped
+
+
+def test_the_draft_follows_the_targets_weights(caplog):
+    """The automatic int8 draft is built once and reused while the target's parameters stay as they were; after
+    ``resize_token_embeddings`` or ``load_state_dict`` it is built again (a copy of the old weights crashed on token
+    ids past its vocabulary), and the output stays the unpatched model's."""
+    plain, patched = _model(), hf_accel.patch_model(_model())
+    ids, mask = random_batch(2, [5, 8], seed=3)
+
+    def builds(call) -> int:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_accel.speculative"):
+            call()
+        return len([r for r in caplog.records if "built a self-speculative draft" in r.getMessage()])
+
+    assert builds(lambda: [patched.generate(input_ids=ids, attention_mask=mask, **KW) for _ in range(3)]) == 1
+    for model in (plain, patched):
+        torch.manual_seed(0)
+        model.resize_token_embeddings(300)
+        with torch.no_grad():  # new tokens the model picks, so the draft sees ids past its old vocabulary
+            model.get_input_embeddings().weight[256:].normal_(0, 2.0)
+            model.get_output_embeddings().weight[256:].normal_(0, 2.0)
+    plain.load_state_dict(patched.state_dict())
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **KW)
+    assert int(expected.max()) >= 256
+    got = []
+    assert builds(lambda: got.append(patched.generate(input_ids=ids, attention_mask=mask, **KW))) == 1
+    assert torch.equal(got[0], expected) and hf_accel.last_stats(patched).speculative is not None
+    state = {k: v * 1.1 if v.is_floating_point() else v for k, v in plain.state_dict().items()}
+    plain.load_state_dict(state)
+    patched.load_state_dict(state)
+    assert builds(lambda: got.append(patched.generate(input_ids=ids, attention_mask=mask, **KW))) == 1
+    assert torch.equal(got[1], plain.generate(input_ids=ids, attention_mask=mask, **KW))

@@ -17,6 +17,7 @@ from ..core.call import device_of
 from ..core.config import Int8Config
 from ..core.dispatch import is_offloaded, is_sharded, model_dtype
 from ..core.errors import IncompatibleOptionsError
+from ..core.fingerprint import tensor_version
 from ..core.recorder import Recorder
 from ..core.registry import get_spec, parent_and_name
 from ..core.state import plain_copy
@@ -140,6 +141,7 @@ class SelfSpeculative(DraftModel):
         self.weights = weights
         self.draft = None
         self._for: weakref.ref[nn.Module] | None = None  # the target the draft was built from
+        self._built_from: tuple = ()  # the target's parameters then (_weights_key): rebuilt when they change
 
     def _check(self, target: nn.Module) -> None:
         return None  # the copy shares the target's vocabulary and device by construction
@@ -176,12 +178,15 @@ class SelfSpeculative(DraftModel):
         """Share ``other``'s draft copy when it has the same options (strategies lent to concurrent calls: one copy
         in memory; the copy only runs forwards, each strategy keeps its own cache)."""
         if (other.weights, other.layers) == (self.weights, self.layers) and other.draft is not None:
-            self.draft, self._for = other.draft, other._for
+            self.draft, self._for, self._built_from = other.draft, other._for, other._built_from
 
     def _draft_for(self, target: nn.Module) -> nn.Module:
-        if self.draft is None or self._for is None or self._for() is not target:
+        key = _weights_key(target)
+        if self.draft is None or self._for is None or self._for() is not target or key != self._built_from:
+            # a new target, or its parameters changed since (load_state_dict, an optimizer step,
+            # resize_token_embeddings, model.to(...)): a copy of the old ones may be of another vocabulary or device
             self.draft = self.build(target, self.weights, self.layers)
-            self._for = weakref.ref(target)
+            self._for, self._built_from = weakref.ref(target), key
         return self.draft
 
     @staticmethod
@@ -225,3 +230,14 @@ class SelfSpeculative(DraftModel):
             f"SelfSpeculative(weights={self.weights!r}, num_tokens={self.k.num_tokens}, adaptive={self.k.adaptive}"
             f"{kept}{'' if self.lookup else ', lookup=False'})"
         )
+
+
+def _weights_key(target: nn.Module) -> tuple:
+    """What the draft copy was built from: each parameter's storage, version counter, shape, dtype and device (an
+    in-place edit, a replaced or resized tensor, a cast or a move changes it; buffers are left out, since some rotary
+    embeddings rewrite theirs at every forward). A write through ``.data`` is not seen: a stale copy only guesses
+    worse, the target verifies every token."""
+    return tuple(
+        (name, p.data_ptr(), tensor_version(p), tuple(p.shape), p.dtype, p.device)
+        for name, p in target.named_parameters()
+    )
