@@ -312,3 +312,24 @@ def test_weights_packed_under_inference_mode_fingerprint_for_the_prefix_cache():
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
         got = model.generate(**kwargs, paged=hf_accel.PagedConfig(prefix_cache=True))
         assert torch.equal(got, plain.generate(**kwargs))
+
+
+def test_resizing_a_packed_lm_head_is_refused_with_the_way_round():
+    """``resize_token_embeddings`` reads the LM head's ``weight``, which a packed head re-lays out: a typed error
+    that says what to do (int8's refusal is its own); unpatch, resize and patch again gives the resized model."""
+    plain = tiny_model("llama")
+    ids, mask = random_batch(2, [5, 9], seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    patched = hf_accel.patch_model(copy.deepcopy(plain), compile=CompileConfig(backend="eager"))
+    with pytest.raises(IncompatibleOptionsError, match="cannot resize a packed LM head"):
+        patched.resize_token_embeddings(300)
+    hf_accel.unpatch_model(patched)
+    assert "resize_token_embeddings" not in vars(patched)
+    for model in (plain, patched):
+        torch.manual_seed(0)
+        model.resize_token_embeddings(300)
+    hf_accel.patch_model(patched, compile=CompileConfig(backend="eager"))
+    assert torch.equal(patched.generate(**kw, paged=True), plain.generate(**kw))
+    unpacked = hf_accel.patch_model(copy.deepcopy(plain), compile=CompileConfig(backend="eager", prepack=False))
+    unpacked.resize_token_embeddings(310)  # nothing packed: Transformers' own resize
+    assert unpacked.get_output_embeddings().weight.shape[0] == 310

@@ -19,6 +19,7 @@ Nothing is compiled at patch time: compilation happens on the first call of each
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,10 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
     recorder.choose(FEATURE, "panel_linear", panel.impl if panel.native else "oneDNN packed GEMM", panel.why,
                     panel.rejected)  # fmt: skip
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # an Int8Embedding has none
+    if any(name == parts.spec.lm_head for name, _ in targets) and "resize_token_embeddings" not in vars(model):
+        refusal = types.MethodType(_refuse_resize, model)
+        recorder.set_instance_attr(FEATURE, model, "resize_token_embeddings", refusal, "resize_token_embeddings "
+                                   "refused (packed LM head)")  # fmt: skip
     aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
     for name, linear in targets:
         packed = PackedLinear.from_module(linear)
@@ -88,6 +93,14 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
             recorder.note(FEATURE, "tied lm_head packed (its float weight stays for the embedding)")
             continue
         _release(recorder, linear.weight, packed, aliases.get(id(linear.weight), []))
+
+
+def _refuse_resize(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    raise IncompatibleOptionsError(
+        "resize_token_embeddings cannot resize a packed LM head (hf_accel's compile feature re-lays its weight out): "
+        "resize before patching, or hf_accel.unpatch_model(model) (the exact weights come back), resize, then patch "
+        "again; or patch with CompileConfig(prepack=False)"
+    )
 
 
 def _projection_args(proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
