@@ -333,3 +333,14 @@ def test_resizing_a_packed_lm_head_is_refused_with_the_way_round():
     unpacked = hf_accel.patch_model(copy.deepcopy(plain), compile=CompileConfig(backend="eager", prepack=False))
     unpacked.resize_token_embeddings(310)  # nothing packed: Transformers' own resize
     assert unpacked.get_output_embeddings().weight.shape[0] == 310
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_num_parameters_counts_packed_linears_as_the_parameters_they_replaced(tied):
+    plain = tiny_model("llama", tie_word_embeddings=tied)
+    patched = hf_accel.patch_model(copy.deepcopy(plain), compile=CompileConfig(backend="eager"))
+    assert any(isinstance(m, PackedLinear) for m in patched.modules())
+    for exclude in (False, True):
+        assert patched.num_parameters(exclude_embeddings=exclude) == plain.num_parameters(exclude_embeddings=exclude)
+    hf_accel.unpatch_model(patched)
+    assert "num_parameters" not in vars(patched) and patched.num_parameters() == plain.num_parameters()

@@ -79,6 +79,9 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
     recorder.choose(FEATURE, "panel_linear", panel.impl if panel.native else "oneDNN packed GEMM", panel.why,
                     panel.rejected)  # fmt: skip
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # an Int8Embedding has none
+    if "num_parameters" not in vars(model):  # packed weights are not parameters: count them as the ones they replace
+        count = types.MethodType(_num_parameters, model)
+        recorder.set_instance_attr(FEATURE, model, "num_parameters", count, "num_parameters counts packed linears")
     if any(name == parts.spec.lm_head for name, _ in targets) and "resize_token_embeddings" not in vars(model):
         refusal = types.MethodType(_refuse_resize, model)
         recorder.set_instance_attr(FEATURE, model, "resize_token_embeddings", refusal, "resize_token_embeddings "
@@ -93,6 +96,22 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
             recorder.note(FEATURE, "tied lm_head packed (its float weight stays for the embedding)")
             continue
         _release(recorder, linear.weight, packed, aliases.get(id(linear.weight), []))
+
+
+def _num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+    """As the unpatched model counts: a packed linear's weight (no parameter any more) as the parameter it replaced,
+    except a tied LM head's, which is the embedding matrix (counted already)."""
+    count = type(self).num_parameters(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+    if only_trainable:  # packed weights are not trainable
+        return count
+    tied = getattr(self.get_input_embeddings(), "weight", None) is not None and bool(
+        getattr(self.config, "tie_word_embeddings", False)
+    )
+    head = self.get_output_embeddings()
+    for module in self.modules():
+        if isinstance(module, PackedLinear) and not (tied and module is head):
+            count += module.in_features * module.out_features
+    return count
 
 
 def _refuse_resize(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
