@@ -83,9 +83,8 @@ def _prepack(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
         count = types.MethodType(_num_parameters, model)
         recorder.set_instance_attr(FEATURE, model, "num_parameters", count, "num_parameters counts packed linears")
     if any(name == parts.spec.lm_head for name, _ in targets) and "resize_token_embeddings" not in vars(model):
-        refusal = types.MethodType(_refuse_resize, model)
-        recorder.set_instance_attr(FEATURE, model, "resize_token_embeddings", refusal, "resize_token_embeddings "
-                                   "refused (packed LM head)")  # fmt: skip
+        recorder.refuse_method(FEATURE, model, "resize_token_embeddings", _RESIZE_REFUSAL,
+                               "resize_token_embeddings refused (packed LM head)")  # fmt: skip
     aliases = {id(m.gate_up_proj.weight): m.weight_aliases for m in model.modules() if isinstance(m, FusedGatedMLP)}
     for name, linear in targets:
         packed = PackedLinear.from_module(linear)
@@ -114,12 +113,11 @@ def _num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embed
     return count
 
 
-def _refuse_resize(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    raise IncompatibleOptionsError(
-        "resize_token_embeddings cannot resize a packed LM head (hf_accel's compile feature re-lays its weight out): "
-        "resize before patching, or hf_accel.unpatch_model(model) (the exact weights come back), resize, then patch "
-        "again; or patch with CompileConfig(prepack=False)"
-    )
+_RESIZE_REFUSAL = (
+    "resize_token_embeddings cannot resize a packed LM head (hf_accel's compile feature re-lays its weight out): "
+    "resize before patching, or hf_accel.unpatch_model(model) (the exact weights come back), resize, then patch "
+    "again; or patch with CompileConfig(prepack=False)"
+)
 
 
 def _projection_args(proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, bool]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+
+from .errors import IncompatibleOptionsError
 
 __all__ = ["Recorder"]
 
@@ -81,6 +83,15 @@ class Recorder:
                 obj.__dict__[name] = old
 
         self._changes.append(_Change(feature, what, undo))
+
+    def refuse_method(self, feature: str, obj: Any, name: str, message: str, what: str) -> None:
+        """Bind ``obj.<name>`` to a method that raises :class:`IncompatibleOptionsError` with ``message``: a model API
+        a feature cannot honour, whose error says what to do instead (recorded like :meth:`set_instance_attr`)."""
+
+        def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+            raise IncompatibleOptionsError(message)
+
+        self.set_instance_attr(feature, obj, name, refuse, what)
 
     def set_param_data(self, feature: str, param: nn.Parameter, data: torch.Tensor, what: str) -> None:
         """Point an existing parameter at new storage (e.g. a view into a fused tensor).

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..core.dispatch import model_dtype
-from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
 from .core import dequantize
 from .linear import Int8Embedding, Int8Linear
@@ -53,21 +52,17 @@ def _num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embed
     return count
 
 
-def _resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    raise IncompatibleOptionsError(
-        "resize_token_embeddings cannot resize int8 embeddings / LM head (hf_accel's int8 feature): resize before "
-        "patching, or hf_accel.unpatch_model(model) (exact weights back with Int8Config(keep_original=True)), resize, "
-        "then patch again (a model loaded as int8 with from_pretrained(quantization_config=...): load the float "
-        "checkpoint, resize, then quantize)"
-    )
-
-
-def _refuse_save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    raise IncompatibleOptionsError(
-        "this model's linear layers are bitsandbytes / optimum-quanto int8 layers (hf_accel's int8 feature), which "
-        "Transformers' save_pretrained / from_pretrained cannot round-trip without a quantization_config. Save with "
-        "hf_accel.save_quantized(model, folder), or call hf_accel.unpatch_model(model) first to save float weights"
-    )
+_RESIZE_REFUSAL = (
+    "resize_token_embeddings cannot resize int8 embeddings / LM head (hf_accel's int8 feature): resize before "
+    "patching, or hf_accel.unpatch_model(model) (exact weights back with Int8Config(keep_original=True)), resize, "
+    "then patch again (a model loaded as int8 with from_pretrained(quantization_config=...): load the float "
+    "checkpoint, resize, then quantize)"
+)
+_SAVE_REFUSAL = (
+    "this model's linear layers are bitsandbytes / optimum-quanto int8 layers (hf_accel's int8 feature), which "
+    "Transformers' save_pretrained / from_pretrained cannot round-trip without a quantization_config. Save with "
+    "hf_accel.save_quantized(model, folder), or call hf_accel.unpatch_model(model) first to save float weights"
+)
 
 
 def float_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -107,21 +102,21 @@ def bind_model_apis(model: nn.Module, recorder: Recorder, backend: str, save: bo
     ``qweight`` / ``scale`` entries that ``from_pretrained`` drops (the linears then load randomly initialised);
     ``save=False`` leaves it alone (a model loaded through hf_accel's quantizer, which saves int8 with its
     ``quantization_config``)."""
-    save_api = (
-        (_save_pretrained, "save_pretrained writes de-quantized weights")
-        if backend == "native"
-        else (_refuse_save_pretrained, f"save_pretrained refused ({backend} int8)")
-    )
     apis = {
         "tie_weights": (_tie_weights, "tie_weights: int8 lookup tied structurally"),
         "num_parameters": (_num_parameters, "num_parameters counts int8 matrices"),
-        "resize_token_embeddings": (_resize_token_embeddings, "resize_token_embeddings refused (int8 weights)"),
     }
-    if save:
-        apis["save_pretrained"] = save_api
+    refusals = {"resize_token_embeddings": (_RESIZE_REFUSAL, "resize_token_embeddings refused (int8 weights)")}
+    if save and backend == "native":
+        apis["save_pretrained"] = (_save_pretrained, "save_pretrained writes de-quantized weights")
+    elif save:
+        refusals["save_pretrained"] = (_SAVE_REFUSAL, f"save_pretrained refused ({backend} int8)")
     for name, (fn, what) in apis.items():
         if callable(getattr(type(model), name, None)):
             recorder.set_instance_attr(FEATURE, model, name, types.MethodType(fn, model), what)
+    for name, (message, what) in refusals.items():
+        if callable(getattr(type(model), name, None)):
+            recorder.refuse_method(FEATURE, model, name, message, what)
 
 
 def warn_lossy_unpatch(recorder: Recorder, keep_original: bool) -> None:
