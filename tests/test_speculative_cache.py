@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import PAD, random_batch, tiny_model
+from helpers import PAD, random_batch, run_threads, tiny_model
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -149,6 +149,32 @@ def test_a_returned_cache_is_the_one_transformers_returns(strategy, batch):
         for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):  # [B, H_kv, T, D]
             torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
     assert torch.equal(_continue(patched, got, mask), _continue(plain, expected, mask))
+
+
+def test_returned_caches_continue_exactly_from_several_threads():
+    """Threads of a web server, each running two turns (the automatic speculation, prompt lookup, the paged cache):
+    every thread's turns equal the unpatched model's."""
+    plain, patched = _plain_and_patched()
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=PAD, return_dict_in_generate=True)
+    jobs = [
+        (*random_batch(1 + i % 3, seed=i), 8 + i, [{}, {"prompt_lookup": True}, {"paged": True}][i % 3])
+        for i in range(6)
+    ]
+
+    def turns(model, ids, mask, new, extra):
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **kwargs, **extra)
+        return first.sequences, _continue(model, first, mask)
+
+    expected = [turns(plain, ids, mask, new, {}) for ids, mask, new, _ in jobs]
+    got: list = [None] * len(jobs)
+
+    def job(k: int) -> None:
+        for _ in range(2):
+            got[k] = turns(patched, *jobs[k])
+
+    run_threads([lambda k=k: job(k) for k in range(len(jobs))])
+    for k, ((seq, nxt), (want_seq, want_nxt)) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(seq, want_seq) and torch.equal(nxt, want_nxt), k
 
 
 def test_rows_that_stop_apart_leave_an_empty_cache_that_continues_exactly():
