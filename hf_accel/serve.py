@@ -19,23 +19,11 @@ from torch import nn
 
 from .core.errors import HFAccelError
 from .engine import Engine, FinishReason, RequestFailedError
+from .serve_options import RequestError, RequestOptions, message_text, request_options
 
 __all__ = ["create_app", "serve"]
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
-_UNSUPPORTED = ("logprobs", "echo", "tools", "functions", "suffix", "best_of", "logit_bias", "top_logprobs")
-
-
-class RequestError(Exception):
-    """A bad request: answered with ``status`` and an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-    def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
 class TextTail:
@@ -73,35 +61,6 @@ class TextTail:
         return piece
 
 
-def _generation_kwargs(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The engine's keywords for an OpenAI request body, and its stop strings."""
-    for name in _UNSUPPORTED:
-        if body.get(name) not in (None, False, [], {}):
-            raise RequestError(f"'{name}' is not supported by hf-accel serve", name)
-    if body.get("n", 1) != 1:
-        raise RequestError("only n=1 is supported (one choice per request)", "n")
-    stops = body.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else list(stops)
-    if not all(isinstance(s, str) for s in stops):
-        raise RequestError("'stop' must be a string or a list of strings", "stop")
-    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 256)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise RequestError("'max_tokens' must be an integer >= 1", "max_tokens")
-    kwargs: dict[str, Any] = {"max_new_tokens": limit}
-    temperature = body.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise RequestError("'temperature' must be a number >= 0", "temperature")
-    if temperature == 0:
-        kwargs["do_sample"] = False
-    else:
-        kwargs.update(do_sample=True, temperature=float(temperature), top_k=0)
-        if body.get("top_p") is not None:
-            kwargs["top_p"] = float(body["top_p"])
-    if stops:
-        kwargs["stop_strings"] = stops
-    return kwargs, stops
-
-
 class _Server:
     """What the endpoints share: the engine, the tokenizer and counters."""
 
@@ -121,14 +80,20 @@ class _Server:
                 raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
+            messages = [message_text(m, i) for i, m in enumerate(messages)]
             try:
                 ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except Exception as exc:
                 raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return prompt  # token ids (checked against the vocabulary by the engine)
         if not isinstance(prompt, str) or not prompt:
-            raise RequestError("'prompt' must be a non-empty string", "prompt")
+            raise RequestError("'prompt' must be a non-empty string or list of token ids (one prompt per request: "
+                               "send several requests for several prompts)", "prompt")  # fmt: skip
         return list(self.tokenizer(prompt)["input_ids"])
 
     def submit(self, ids: list[int], kwargs: dict[str, Any]) -> int:
@@ -180,7 +145,7 @@ def _chunk(server: _Server, rid: str, chat: bool, text: str | None, finish: str 
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _events(server: _Server, rid: int, tail: TextTail, chat: bool) -> AsyncIterator[str]:
+async def _events(server: _Server, rid: int, tail: TextTail, chat: bool, options: RequestOptions) -> AsyncIterator[str]:
     """Server-sent events of one request; a disconnect (the task is cancelled) cancels the request."""
     from starlette.concurrency import iterate_in_threadpool
 
@@ -199,9 +164,25 @@ async def _events(server: _Server, rid: int, tail: TextTail, chat: bool) -> Asyn
             yield f"data: {json.dumps(error.body())}\n\n"
             return
         yield _chunk(server, name, chat, rest, finish, first=False)
+        if options.include_usage:  # OpenAI's stream_options: a last chunk with no choices and the usage
+            usage = {
+                "id": name,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": server.name,
+                "choices": [],
+                "usage": _usage(server, rid),
+            }
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         server.cancel(rid)
+
+
+def _usage(server: _Server, rid: int) -> dict[str, int]:
+    out = server.engine.result(rid)
+    return {"prompt_tokens": len(out.prompt), "completion_tokens": len(out.tokens),
+            "total_tokens": len(out.prompt) + len(out.tokens)}  # fmt: skip
 
 
 async def _complete(server: _Server, rid: int, tail: TextTail, chat: bool, request: Any) -> dict[str, Any]:
@@ -220,12 +201,7 @@ async def _complete(server: _Server, rid: int, tail: TextTail, chat: bool, reque
         raise RequestError(f"generation failed: {exc}", status=500) from exc
     text = tail.feed(tokens) + tail.finish()
     finish = server.finish_reason(rid)
-    prompt_tokens = len(server.engine.result(rid).prompt)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(tokens),
-        "total_tokens": prompt_tokens + len(tokens),
-    }
+    usage = _usage(server, rid)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -266,11 +242,12 @@ def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine:
             raise RequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        kwargs, stops = _generation_kwargs(body)
-        rid = server.submit(server.prompt(body, chat), kwargs)
-        tail = TextTail(server.tokenizer, stops)
+        options = request_options(body, server.engine.model.config.get_text_config().vocab_size)
+        ids = server.prompt(body, chat)
+        rid = server.submit(ids, options.kwargs_for(len(ids)))
+        tail = TextTail(server.tokenizer, options.stops)
         if body.get("stream"):
-            return StreamingResponse(_events(server, rid, tail, chat), media_type="text/event-stream")
+            return StreamingResponse(_events(server, rid, tail, chat, options), media_type="text/event-stream")
         return await _complete(server, rid, tail, chat, request)
 
     @app.post("/v1/completions")

@@ -434,3 +434,26 @@ def test_plain_greedy_requests_pick_and_stop_on_the_host():
         assert outputs[rid].finish_reason == "eos"
     assert outputs[capped].tokens == free_run[:4]
     assert_pool_free(engine)
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_or_batched_with_others():
+    """``seed=``: the request's own generator, so neither the requests beside it, their arrival, nor torch's global
+    seed changes what it samples (also through prompt lookup's sampled verification)."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompt = prompts_of(1, seed=21, lo=6, hi=6)[0] * 3  # repetitive: prompt lookup drafts
+    kwargs = dict(max_new_tokens=16, eos_token_id=None, do_sample=True, temperature=1.0, top_k=0)
+
+    def run(seed: int, others: int, lookup: bool, global_seed: int) -> list[int]:
+        torch.manual_seed(global_seed)
+        engine = Engine(model, max_batch_tokens=64, max_running=8, paged=small_pool(96))
+        for p in prompts_of(others, seed=global_seed):
+            engine.add_request(p, **kwargs)
+        rid = engine.add_request(prompt, seed=seed, prompt_lookup=lookup, **kwargs)
+        return engine.run_until_done()[rid].tokens
+
+    for lookup in (False, True):
+        alone = run(7, 0, lookup, 0)
+        assert run(7, 5, lookup, 1) == alone and run(7, 3, lookup, 2) == alone, lookup
+        assert len({tuple(run(s, 0, lookup, 0)) for s in (1, 2, 3)} | {tuple(alone)}) > 1  # the seed matters
+    with pytest.raises(IncompatibleOptionsError, match=r"seed must be an int in \[-2\*\*63, 2\*\*64\), got 'x'"):
+        Engine(model).add_request([3, 4], seed="x")

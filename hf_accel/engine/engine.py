@@ -143,7 +143,8 @@ class Engine:
             **kwargs: what ``generate`` takes for one sequence: ``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``logits_processor``, ``stopping_criteria``, ``streamer``; ``prompt_lookup=True`` (or
-                ``speculative=PromptLookup(...)``) to speculate with prompt lookup.
+                ``speculative=PromptLookup(...)``) to speculate with prompt lookup; ``seed=`` (an int): sample from
+                the request's own generator, whatever is batched beside it (up to float rounding between batches).
 
         Returns:
             The request id.

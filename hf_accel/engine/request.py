@@ -34,6 +34,7 @@ _EXTRA_KWARGS = (
     "streamer",
     "prompt_lookup",
     "speculative",
+    "seed",
 )
 
 
@@ -65,6 +66,9 @@ class RequestSpec:
     #: would, given here as ``(max_length, eos ids)``; the engine then picks the token from the step's argmax and
     #: stops on the host (no per-request device round trip). ``None`` for every other request
     plain_stop: tuple[int, frozenset[int]] | None = None
+    #: the request's own random source (``seed=``): its sampled tokens depend on its seed, not on the requests
+    #: batched beside it or torch's global seed. ``None``: torch's global generator
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -157,8 +161,8 @@ def build_spec(
     """Resolve a request's ``generate``-style keyword arguments.
 
     Raises:
-        IncompatibleOptionsError: unknown keywords or invalid values (``max_new_tokens=0``), beam search, several
-            return sequences, stop strings without a tokenizer, or no room to generate.
+        IncompatibleOptionsError: unknown keywords or invalid values (``max_new_tokens=0``, ``seed="x"``), beam
+            search, several return sequences, stop strings without a tokenizer, or no room to generate.
     """
     kwargs = dict(kwargs)
     base = kwargs.pop("generation_config", None) or model.generation_config
@@ -166,6 +170,7 @@ def build_spec(
     user_stopping = kwargs.pop("stopping_criteria", None) or StoppingCriteriaList()
     streamer = kwargs.pop("streamer", None)
     lookup = _lookup(kwargs.pop("speculative", None)) or _lookup(kwargs.pop("prompt_lookup", None))
+    generator = _generator(kwargs.pop("seed", None), device)
     cfg, max_new = _resolve_config(model, base, kwargs, prompt_len)
     if cfg.stop_strings and tokenizer is None:
         raise IncompatibleOptionsError(
@@ -198,7 +203,17 @@ def build_spec(
         lookup=lookup,
         streamer=streamer,
         plain_stop=None if sample or len(processors) else _plain_stop(stopping),
+        generator=generator,
     )
+
+
+def _generator(seed: Any, device: torch.device) -> torch.Generator | None:
+    """A request's own random source on ``device``, seeded with ``seed`` (``None``: none, the global one)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise IncompatibleOptionsError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _plain_stop(stopping: StoppingCriteriaList) -> tuple[int, frozenset[int]] | None:

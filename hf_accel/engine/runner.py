@@ -105,7 +105,8 @@ def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor, picks
     if tracked.spec.sample:
         rows = [_scores(tracked, drafts[:j], logits[j])[0] for j in range(len(drafts) + 1)]
         probs = torch.stack(rows).softmax(-1)  # [1 + drafts, V]
-        return verify_sampling(torch.tensor(drafts, dtype=torch.long, device=probs.device), probs, None)
+        drafted = torch.tensor(drafts, dtype=torch.long, device=probs.device)
+        return verify_sampling(drafted, probs, None, tracked.spec.generator)
     picks = []
     for j in range(len(drafts) + 1):  # stop scoring at the first mismatch
         picks.append(int(_scores(tracked, drafts[:j], logits[j]).argmax(-1)))

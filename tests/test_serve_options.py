@@ -1,0 +1,124 @@
+"""``hf-accel serve``'s reading of OpenAI request fields: every field honoured, inert or refused with a 400 that
+names it (never silently ignored): ``seed``, ``presence_penalty`` / ``frequency_penalty``, ``logit_bias``,
+``stream_options.include_usage``, text-part message content, token-id prompts, the vLLM-style extensions."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_serve import WORDS, _http, _want, server  # noqa: F401  (the module's server fixture)
+from transformers import LogitsProcessorList
+
+from hf_accel.serve_options import LogitBias, OpenAIPenalties, RequestError, message_text, request_options
+
+openai = pytest.importorskip("openai")
+
+
+def test_penalties_count_only_generated_tokens_as_openai_defines_them():
+    ids = torch.tensor([[3, 3, 5, 5, 5, 6]])  # a prompt of 3 tokens, then 5, 5, 6
+    scores = torch.zeros(1, 8)
+    out = OpenAIPenalties(prompt_len=3, presence=0.5, frequency=1.0)(ids, scores)
+    want = torch.zeros(1, 8)
+    want[0, 5] = -(2 * 1.0 + 0.5)  # generated twice (the prompt's 5 does not count)
+    want[0, 6] = -(1 * 1.0 + 0.5)
+    assert torch.equal(out, want)  # token 3 occurs only in the prompt: untouched
+    biased = LogitBias({1: -100.0, 4: 2.5})(ids, scores)
+    assert biased[0].tolist() == [0, -100, 0, 0, 2.5, 0, 0, 0] and torch.equal(scores, torch.zeros(1, 8))
+
+
+def test_request_fields_are_honoured_inert_or_refused_by_name():
+    base = {"model": "tiny", "prompt": "the sea"}
+    opts = request_options({**base, "seed": 3, "top_k": 5, "min_p": 0.1, "temperature": 0.5, "user": "u1"}, 256)
+    assert opts.kwargs == {"max_new_tokens": 256, "do_sample": True, "temperature": 0.5, "top_k": 5, "min_p": 0.1,
+                           "seed": 3}  # fmt: skip
+    opts = request_options({**base, "presence_penalty": 1, "logit_bias": {"7": -100}, "temperature": 0}, 256)
+    processors = opts.kwargs_for(prompt_len=2)["logits_processor"]
+    assert [type(p) for p in processors] == [OpenAIPenalties, LogitBias] and processors[0].prompt_len == 2
+    assert "logits_processor" not in request_options(base, 256).kwargs_for(2)  # nothing asked: no processors
+    refused = [
+        ({"response_format": {"type": "json_object"}}, "response_format", "only response_format"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", r"number in \[-2, 2\]"),
+        ({"logit_bias": {"300": 1}}, "logit_bias", r"not a token id of this model \(0..255\)"),
+        ({"logit_bias": {"7": 101}}, "logit_bias", r"\[-100, 100\]"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only with stream=true"),
+        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"best_of": 3}, "best_of", "not supported"),
+        ({"top_p": 0}, "top_p", "must be > 0"),
+        ({"top_p": "high"}, "top_p", r"number in \[0, 1\]"),
+        ({"seed": 1.5}, "seed", "must be an integer"),
+        ({"temperatur": 0.5}, "temperatur", "unrecognized request field 'temperatur'"),
+    ]
+    for extra, param, message in refused:
+        with pytest.raises(RequestError, match=message) as info:
+            request_options({**base, **extra}, 256)
+        assert info.value.param == param and info.value.status == 400
+    accepted = {"best_of": 1, "logprobs": False, "tool_choice": "none", "n": 1, "response_format": {"type": "text"}}
+    request_options({**base, **accepted}, 256)
+
+
+def test_message_content_as_text_parts_is_joined_and_other_parts_refused():
+    parts = {"role": "user", "content": [{"type": "text", "text": "the sea"}, {"type": "text", "text": "is blue"}]}
+    assert message_text(parts, 0)["content"] == "the sea\nis blue"
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(RequestError, match=r"messages\[1\]\.content: only text parts"):
+        message_text(image, 1)
+    with pytest.raises(RequestError, match=r"messages\[0\] must be an object with a string 'role'"):
+        message_text("hello", 0)
+
+
+def test_a_seed_gives_the_same_sample_alone_or_beside_other_requests(server):  # noqa: F811
+    client = server[0]
+
+    def ask(seed: int | None, prompt: str = "the sun is") -> str:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.0, seed=seed)
+        return out.choices[0].text
+
+    alone = ask(11)
+    with ThreadPoolExecutor(8) as pool:
+        crowd = [pool.submit(ask, None, " ".join(WORDS[i : i + 4])) for i in range(6)]
+        beside = pool.submit(ask, 11)
+        assert beside.result() == alone and all(f.result() for f in crowd)
+    assert len({ask(s) for s in (1, 2, 3)} | {alone}) > 1  # the seed is what decides
+
+
+def test_logit_bias_and_penalties_change_greedy_answers_as_generate_with_them(server):  # noqa: F811
+    client, model, tokenizer, _, _ = server
+    prompt = "the sun is"
+    ids = tokenizer(prompt)["input_ids"]
+    sea = tokenizer.convert_tokens_to_ids("sea")
+
+    def ask(**extra) -> str:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, **extra)
+        return out.choices[0].text
+
+    assert ask(logit_bias={str(sea): 100}) == " ".join(["sea"] * 10)
+    greedy = tokenizer(_want(model, tokenizer, ids, 10))["input_ids"]
+    banned = ask(logit_bias={str(greedy[0]): -100})
+    assert tokenizer(banned)["input_ids"][0] != greedy[0]
+    penalised = ask(frequency_penalty=2.0, presence_penalty=0.5)
+    processors = LogitsProcessorList([OpenAIPenalties(len(ids), 0.5, 2.0)])
+    out = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=2, pad_token_id=0,
+                         logits_processor=processors)  # fmt: skip
+    assert penalised == tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert penalised != _want(model, tokenizer, ids, 10)  # the penalty changed this answer
+
+
+def test_usage_chunk_text_parts_and_token_id_prompts(server):  # noqa: F811
+    client, model, tokenizer, _, port = server
+    chunks = list(client.completions.create(model="tiny", prompt="the sea", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer("the sea")["input_ids"])
+    as_text = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                             messages=[{"role": "user", "content": "is the sky blue"}])  # fmt: skip
+    as_parts = client.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "is the sky blue"}]}])  # fmt: skip
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    ids = tokenizer("the sea is")["input_ids"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0).choices[0].text
+    assert by_ids == _want(model, tokenizer, ids, 8)
+    code, text = _http(port, "/v1/completions", {"model": "tiny", "prompt": "the sea", "presence_penalty": 9})
+    assert code == 400 and json.loads(text)["error"]["param"] == "presence_penalty"
