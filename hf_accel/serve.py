@@ -19,7 +19,7 @@ from torch import nn
 
 from .core.errors import HFAccelError
 from .engine import Engine, FinishReason, RequestFailedError
-from .serve_options import RequestError, RequestOptions, message_text, request_options
+from .serve_options import RequestError, RequestOptions, context_length, message_text, request_options
 
 __all__ = ["create_app", "serve"]
 
@@ -95,6 +95,14 @@ class _Server:
             raise RequestError("'prompt' must be a non-empty string or list of token ids (one prompt per request: "
                                "send several requests for several prompts)", "prompt")  # fmt: skip
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def start(self, body: dict[str, Any], chat: bool) -> tuple[int, RequestOptions]:
+        """Read ``body`` and queue its request: its id and options."""
+        config = self.engine.model.config.get_text_config()
+        options = request_options(body, config.vocab_size)
+        ids = self.prompt(body, chat)
+        kwargs = options.kwargs_for(len(ids), context_length(config), "messages" if chat else "prompt")
+        return self.submit(ids, kwargs), options
 
     def submit(self, ids: list[int], kwargs: dict[str, Any]) -> int:
         try:
@@ -242,9 +250,7 @@ def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine:
             raise RequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        options = request_options(body, server.engine.model.config.get_text_config().vocab_size)
-        ids = server.prompt(body, chat)
-        rid = server.submit(ids, options.kwargs_for(len(ids)))
+        rid, options = server.start(body, chat)
         tail = TextTail(server.tokenizer, options.stops)
         if body.get("stream"):
             return StreamingResponse(_events(server, rid, tail, chat, options), media_type="text/event-stream")

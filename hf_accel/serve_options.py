@@ -19,7 +19,15 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-__all__ = ["LogitBias", "OpenAIPenalties", "RequestError", "RequestOptions", "message_text", "request_options"]
+__all__ = [
+    "LogitBias",
+    "OpenAIPenalties",
+    "RequestError",
+    "RequestOptions",
+    "context_length",
+    "message_text",
+    "request_options",
+]
 
 #: fields that cannot change a completion: accepted and not used
 _INERT = ("model", "prompt", "messages", "stream", "user", "metadata", "store", "service_tier", "prompt_cache_key",
@@ -84,15 +92,32 @@ class RequestOptions:
     include_usage: bool = False
     penalties: tuple[float, float] = (0.0, 0.0)  # presence, frequency
     logit_bias: dict[int, float] = field(default_factory=dict)
+    limit_given: bool = False  # max_tokens was in the body (otherwise a default, cut to the context's room)
 
-    def kwargs_for(self, prompt_len: int) -> dict[str, Any]:
-        """The engine keywords for a prompt of ``prompt_len`` tokens."""
+    def kwargs_for(self, prompt_len: int, context: int | None = None, prompt_field: str = "prompt") -> dict[str, Any]:
+        """The engine keywords for a prompt of ``prompt_len`` tokens, on a model of ``context`` positions (``None``:
+        unknown).
+
+        Raises:
+            RequestError: the prompt fills the context, or the prompt plus ``max_tokens`` passes it.
+        """
+        kwargs = dict(self.kwargs)
+        if context is not None:
+            room, asked = context - prompt_len, kwargs["max_new_tokens"]
+            if room < 1:
+                raise RequestError(f"the prompt has {prompt_len} tokens; this model's context holds {context}: "
+                                   "shorten it", prompt_field, code="context_length_exceeded")  # fmt: skip
+            if self.limit_given and asked > room:
+                raise RequestError(f"a prompt of {prompt_len} tokens plus max_tokens={asked} passes this model's "
+                                   f"context of {context} tokens: ask for at most {room}", "max_tokens",
+                                   code="context_length_exceeded")  # fmt: skip
+            kwargs["max_new_tokens"] = min(asked, room)
         processors = LogitsProcessorList()
         if any(self.penalties):
             processors.append(OpenAIPenalties(prompt_len, *self.penalties))
         if self.logit_bias:
             processors.append(LogitBias(self.logit_bias))
-        return {**self.kwargs, "logits_processor": processors} if processors else dict(self.kwargs)
+        return {**kwargs, "logits_processor": processors} if processors else kwargs
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, default: float | None = None) -> float | None:
@@ -196,8 +221,22 @@ def request_options(body: dict[str, Any], vocab: int) -> RequestOptions:
     if stops:
         kwargs["stop_strings"] = stops
     penalties = (_number(body, "presence_penalty", -2.0, 2.0, 0.0), _number(body, "frequency_penalty", -2.0, 2.0, 0.0))
-    return RequestOptions(kwargs, stops, bool((stream_options or {}).get("include_usage")), penalties,  # type: ignore[arg-type]
-                          _logit_bias(body, vocab))  # fmt: skip
+    given = any(body.get(k) is not None for k in ("max_completion_tokens", "max_tokens"))
+    usage = bool((stream_options or {}).get("include_usage"))
+    return RequestOptions(kwargs, stops, usage, penalties, _logit_bias(body, vocab), given)  # type: ignore[arg-type]
+
+
+def context_length(config: Any) -> int | None:
+    """The positions a model of ``config`` was trained for (``max_position_embeddings``), or ``None`` where rotary
+    scaling changes its reach (yarn, dynamic, longrope, ...: a server then checks nothing)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    entries = (
+        [params] if "rope_type" in params or "type" in params else [v for v in params.values() if isinstance(v, dict)]
+    )
+    if any(str(e.get("rope_type", e.get("type", "default"))) != "default" for e in entries):
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) else None
 
 
 def message_text(message: Any, index: int) -> dict[str, Any]:

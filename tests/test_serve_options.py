@@ -122,3 +122,25 @@ def test_usage_chunk_text_parts_and_token_id_prompts(server):  # noqa: F811
     assert by_ids == _want(model, tokenizer, ids, 8)
     code, text = _http(port, "/v1/completions", {"model": "tiny", "prompt": "the sea", "presence_penalty": 9})
     assert code == 400 and json.loads(text)["error"]["param"] == "presence_penalty"
+
+
+def test_a_request_past_the_models_context_is_refused_and_the_default_length_is_cut_to_it(server):  # noqa: F811
+    client, model, _, _, port = server
+    context = model.config.max_position_embeddings  # 4096, no rotary scaling
+    ids = [7 + i % 20 for i in range(context - 4)]
+    for body, param in [({"prompt": ids, "max_tokens": 10}, "max_tokens"), ({"prompt": ids + [7] * 4}, "prompt")]:
+        code, text = _http(port, "/v1/completions", {"model": "tiny", **body})
+        error = json.loads(text)["error"]
+        assert code == 400 and error["param"] == param and error["code"] == "context_length_exceeded", error
+    out = client.completions.create(model="tiny", prompt=ids, temperature=0)  # no max_tokens: what fits
+    assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_context_length_is_known_only_without_rotary_scaling():
+    from helpers import tiny_config
+
+    from hf_accel.serve_options import context_length
+
+    assert context_length(tiny_config("llama")) == 512
+    scaled = tiny_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    assert context_length(scaled) is None
