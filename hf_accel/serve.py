@@ -28,31 +28,54 @@ _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LEN
 
 class TextTail:
     """Detokenizes a growing token list into text deltas: holds back an incomplete UTF-8 character and any tail
-    that could be the start of a stop string, and cuts the text at the first stop string (OpenAI leaves it out)."""
+    that could be the start of a stop string, and cuts the text at the first stop string (OpenAI leaves it out).
+
+    Each token costs a decode of a few recent tokens, not of the whole completion: the window from the tokens of
+    the last complete piece (``_prefix``) to the end is decoded and compared with its decoded start (``_read``)
+    (the offsets Text Generation Inference and vLLM use), so the leading-space rules of a tokenizer see the same
+    context as in a full decode. :meth:`finish` decodes the whole completion once.
+    """
+
+    #: tokens a window may hold while its text ends in an incomplete character; past it the bytes are not valid
+    #: UTF-8 at all and the replacement character is the text (a character is at most 4 bytes)
+    WAIT = 8
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer, self.stops = tokenizer, stops
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
         self.tokens: list[int] = []
+        self.text = ""  # the text of tokens[:_read]
         self.sent = 0  # characters handed out
+        self._prefix = self._read = 0
+        self._hold = max((len(s) - 1 for s in self.stops), default=0)  # may be the start of a stop string
+        self._stopped = False
 
-    def _text(self) -> tuple[str, bool]:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stops if s and s in text]
-        return (text[: min(cuts)], True) if cuts else (text, False)
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=True)
 
     def feed(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text, stopped = self._text()
-        end = len(text)
-        if not stopped:
-            end -= max((len(s) - 1 for s in self.stops), default=0)  # may be the start of a stop string
-            while end > self.sent and text[end - 1] == "\ufffd":  # an incomplete multi-byte character
-                end -= 1
-        return self._take(text, end)
+        if self._stopped:
+            return ""
+        before, after = self._decode(self._prefix, self._read), self._decode(self._prefix)
+        waiting = after.endswith("\ufffd") and len(self.tokens) - self._read < self.WAIT
+        if len(after) > len(before) and not waiting:
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.tokens)
+        cut = self._cut(self.text)
+        if cut is not None:
+            self._stopped = True
+            return self._take(self.text, cut)
+        return self._take(self.text, len(self.text) - self._hold)
 
     def finish(self) -> str:
-        text, _ = self._text()
-        return self._take(text, len(text))
+        text = self._decode(0)
+        cut = self._cut(text)
+        return self._take(text, len(text) if cut is None else cut)
+
+    def _cut(self, text: str) -> int | None:
+        """Where the first stop string starts (none starts before ``sent``: the held-back tail covers it)."""
+        found = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
+        return min(found) if found else None
 
     def _take(self, text: str, end: int) -> str:
         if end <= self.sent:

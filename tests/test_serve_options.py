@@ -144,3 +144,47 @@ def test_the_context_length_is_known_only_without_rotary_scaling():
     assert context_length(tiny_config("llama")) == 512
     scaled = tiny_config("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
     assert context_length(scaled) is None
+
+
+def _streamed(tokenizer, ids: list[int], stops: list[str]) -> str:
+    from hf_accel.serve import TextTail
+
+    tail = TextTail(tokenizer, stops)
+    pieces = [tail.feed([t]) for t in ids]
+    return "".join(pieces) + tail.finish()
+
+
+def test_incremental_text_equals_the_full_decode_on_the_real_tokenizer(default_model):
+    """Byte-level BPE (SmolLM2): multi-byte characters split across tokens, special tokens, random ids, stops;
+    the streamed pieces join to the full decode cut at the first stop."""
+    import random
+
+    tokenizer = default_model[1]
+    texts = ["Hello, world! Ça va? 你好，世界 🙂🚀 naïve café", "def f(x):\n    return x ** 2  # ok\n\n\nend"]
+    rng = random.Random(0)
+    cases = [tokenizer(t)["input_ids"] for t in texts]
+    cases += [[rng.randrange(len(tokenizer)) for _ in range(300)] for _ in range(5)]  # arbitrary bytes
+    cases.append(tokenizer("<|im_start|>user\nhi<|im_end|>\n")["input_ids"] + cases[0])
+    for ids in cases:
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert _streamed(tokenizer, ids, []) == full
+        for stop in (full[len(full) // 2 : len(full) // 2 + 3], "\n\n", "never there"):
+            cut = full.find(stop) if stop and stop in full else len(full)
+            assert _streamed(tokenizer, ids, [stop]) == full[:cut], (stop, ids[:10])
+
+
+def test_streaming_detokenization_is_linear_in_the_completion():
+    """Each token decodes a window of recent tokens: 4,000 tokens make ~4,000 small decodes, not ~8 million
+    decoded tokens (which blocked the server's event loop for seconds on long answers)."""
+    from test_serve import _tokenizer
+
+    from hf_accel.serve import TextTail
+
+    tokenizer = _tokenizer()
+    decoded = []
+    original = tokenizer.decode
+    tokenizer.decode = lambda ids, **kw: decoded.append(len(ids)) or original(ids, **kw)
+    tail = TextTail(tokenizer, ["never"])
+    for i in range(4000):
+        tail.feed([7 + i % 20])
+    assert sum(decoded) < 4000 * 8, sum(decoded)
