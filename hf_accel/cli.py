@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .core.errors import HFAccelError
 
@@ -124,6 +125,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     techniques, notes = bench.parse_techniques(args.techniques, has_draft=args.draft_model is not None)
     outputs = {name: bench.check_writable(getattr(args, name), f"--{name}") for name in ("json", "markdown", "plot")}
     trace = bench.check_writable(args.profile, "--profile")
+    if args.prompts not in ("chat", "grounded") and not Path(args.prompts).is_file():  # before the model loads
+        parser.error(f"--prompts takes chat, grounded or a .jsonl file; {args.prompts!r} is neither")
     dtype = getattr(torch, args.dtype)
     model, tokenizer = load_model(args.model, dtype)
     draft = load_model(args.draft_model, dtype)[0] if args.draft_model else None

@@ -113,8 +113,16 @@ def test_bench_bnb_without_bitsandbytes_says_how_to_install(monkeypatch, capsys)
     assert "pip install 'hf_accel[bnb]'" in err
 
 
-def test_bench_argument_errors(capsys):
+def test_bench_argument_errors(capsys, monkeypatch):
     with pytest.raises(SystemExit) as info:
         main(["bench", "--batch", "1,x"])
     assert info.value.code == 2
     assert "--batch takes comma-separated integers, got '1,x'" in capsys.readouterr().err
+    loads = []  # a missing prompts file is refused before the model loads
+    monkeypatch.setattr("hf_accel.models.load_model", lambda *a, **k: loads.append(a))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--prompts", "/nonexistent/prompts.jsonl"])
+    assert info.value.code == 2 and not loads
+    assert "--prompts takes chat, grounded or a .jsonl file; '/nonexistent/prompts.jsonl' is neither" in (
+        capsys.readouterr().err
+    )
