@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from .compile.apply import apply_compile, bind_compile, plain_compile
-from .core.config import AccelConfig, FusedMLPConfig, NativeConfig, PagedConfig, SpeculativeConfig
+from .core.config import AccelConfig, FusedMLPConfig, Int8Config, NativeConfig, PagedConfig, SpeculativeConfig
 from .core.dispatch import model_dtype
 from .core.errors import AlreadyPatchedError, FeatureNotAvailableError, IncompatibleOptionsError, NotPatchedError
 from .core.recorder import Recorder
@@ -23,7 +23,7 @@ from .core.state import STATE_ATTR, Feature, PatchState, get_state
 from .engine.apply import bind_generate_many
 from .fused.apply import apply_fused_mlp, bind_fused_mlp
 from .generate import bind_generate
-from .native.apply import apply_native, native_unavailable
+from .native.apply import apply_native, executor_declines, native_unavailable
 from .native.half import HALF_DTYPES
 from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8
@@ -63,7 +63,8 @@ def default_config(model: nn.Module | None = None) -> AccelConfig:
     (docs/log/2026-12-06-defaults.md); the executor alone 1.56x. bfloat16 / float16 models keep the keyword-only
     default: ``native=True`` runs them through the executor with float32 activations (Llama family; 2.7x the unpatched
     bf16 SmolLM2, docs/native.md) or their decode rows through ``half_linear`` (other architectures), but the half
-    model's own forward rounds after every operator, so against it greedy tokens can flip at near-ties. Elsewhere
+    model's own forward rounds after every operator, so against it greedy tokens can flip at near-ties; with int8
+    weights (``int8=``, or loaded quantized), already lossy, they get the executor too (2.7x int8 alone). Elsewhere
     (CUDA) the keyword-only defaults stay until they are measured there. Without ``model``: the device-independent
     part.
     """
@@ -98,6 +99,21 @@ def _float_linears(model: nn.Module) -> bool:
     return not quantized and bool(decoder_linears(model, get_spec(model)))
 
 
+def _int8_half_native(model: nn.Module, overrides: dict[str, Any]) -> bool:
+    """Whether the default turns the executor on for a half-precision CPU model with hf_accel int8 weights (``int8=``
+    asked, or loaded quantized) and no ``native=`` / ``compile=`` choice: int8 weights already part from the half
+    model, and the executor runs them 2.7x faster than int8 alone (SmolLM2 bf16, docs/log/2026-12-07-int8-half.md)."""
+    if "native" in overrides or overrides.get("compile") not in (None, False):
+        return False
+    int8 = overrides.get("int8")
+    asked = int8 is True or (isinstance(int8, Int8Config) and int8.backend in ("auto", "native"))
+    loaded = int8 in (None, False) and any(isinstance(m, Int8Linear) for m in model.modules())
+    weight = next(model.parameters())
+    if not (asked or loaded) or weight.device.type != "cpu" or model_dtype(model) not in HALF_DTYPES:
+        return False
+    return executor_declines(model) is None
+
+
 def _default_for(model: nn.Module, overrides: dict[str, Any], recorder: Recorder) -> AccelConfig:
     """``default_config(model)`` adjusted to the overrides (an int8 model drafts for itself: no automatic
     self-speculation; ``compile=`` packs the weights: no executor), with the choice recorded for ``patch_report``."""
@@ -107,6 +123,10 @@ def _default_for(model: nn.Module, overrides: dict[str, Any], recorder: Recorder
         config = dataclasses.replace(config, speculative=SpeculativeConfig())
         notes.append("int8= / compile= asked for: no automatic self-speculation (int8 weights would draft for "
                      "themselves; compile= wants its compiled steps)")  # fmt: skip
+    if config.native is None and _int8_half_native(model, overrides):
+        config = dataclasses.replace(config, native=NativeConfig())
+        why = ("int8 weights on a half-precision model: the native executor runs them (float32 sums, which part from "
+               "the half model no more than the int8 weights do); no automatic self-speculation")  # fmt: skip
     if config.native is not None and overrides.get("compile") not in (None, False) and "native" not in overrides:
         config = dataclasses.replace(config, native=None)  # the executor cannot read pre-packed weights
         notes.append("compile= packs the weights, which the executor does not read (pass native=True too for it)")

@@ -38,7 +38,7 @@ from .half import apply_half_linears, half_unavailable
 from .paged import paged_hidden, paged_logits, serves_pool
 from .step import LeanStep
 
-__all__ = ["NativeForward", "apply_native", "native_unavailable"]
+__all__ = ["NativeForward", "apply_native", "executor_declines", "native_unavailable"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "native"
@@ -224,6 +224,12 @@ def _executor(
         if why is None and built.native is not None and built.native.half is not None:
             why = f"{built.native.half} weights, and NativeConfig(half_precision=False)"
     return why or "no native layers apply", None
+
+
+def executor_declines(model: nn.Module) -> str | None:
+    """Why the executor's layers are not ``model``'s (architecture, hooks), without building it: a cheap first look
+    (``None``: the layers are the family's; :func:`native_unavailable` then says whether a build takes them)."""
+    return LeanStep.unsupported(model)
 
 
 def native_unavailable(model: nn.Module) -> str | None:
