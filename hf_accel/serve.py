@@ -119,13 +119,23 @@ class _Server:
                                "send several requests for several prompts)", "prompt")  # fmt: skip
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def start(self, body: dict[str, Any], chat: bool) -> tuple[int, RequestOptions]:
-        """Read ``body`` and queue its request: its id and options."""
+    def start(self, body: dict[str, Any], chat: bool) -> tuple[list[int], RequestOptions]:
+        """Read ``body`` and queue its ``n`` engine requests (one per choice; they share the prompt's K/V through
+        the prefix cache): their ids and the options. Choice ``i`` of a seeded request samples with ``seed + i``."""
         config = self.engine.model.config.get_text_config()
         options = request_options(body, config.vocab_size)
         ids = self.prompt(body, chat)
         kwargs = options.kwargs_for(len(ids), context_length(config), "messages" if chat else "prompt")
-        return self.submit(ids, kwargs), options
+        rids: list[int] = []
+        try:
+            for i in range(options.n):
+                seed = kwargs.get("seed")
+                rids.append(self.submit(ids, kwargs if seed is None else {**kwargs, "seed": (seed + i) % 2**63}))
+        except RequestError:
+            for rid in rids:
+                self.cancel(rid)
+            raise
+        return rids, options
 
     def submit(self, ids: list[int], kwargs: dict[str, Any]) -> int:
         try:
@@ -163,84 +173,118 @@ class _Server:
         return "\n".join(lines) + "\n"
 
 
-def _chunk(server: _Server, rid: str, chat: bool, text: str | None, finish: str | None, first: bool) -> str:
+def _chunk(
+    server: _Server, rid: str, chat: bool, text: str | None, finish: str | None, first: bool, index: int = 0
+) -> str:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice, obj = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}, "text_completion"
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
     payload = {"id": rid, "object": obj, "created": int(time.time()), "model": server.name, "choices": [choice]}
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def _events(server: _Server, rid: int, tail: TextTail, chat: bool, options: RequestOptions) -> AsyncIterator[str]:
-    """Server-sent events of one request; a disconnect (the task is cancelled) cancels the request."""
-    from starlette.concurrency import iterate_in_threadpool
+def _pump(server: _Server, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, rid: int) -> None:
+    """Hand request ``rid``'s tokens to ``queue`` as ``(index, token, None)``, then ``(index, None, error)``."""
+    error: BaseException | None = None
+    try:
+        for token in server.engine.stream(rid):
+            loop.call_soon_threadsafe(queue.put_nowait, (index, token, None))
+    except Exception as exc:  # handed to the response, which reports it
+        error = exc
+    loop.call_soon_threadsafe(queue.put_nowait, (index, None, error))
+
+
+async def _events(
+    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, options: RequestOptions
+) -> AsyncIterator[str]:
+    """Server-sent events of a request's choices, interleaved as their tokens come (each chunk names its choice's
+    index); a disconnect (the task is cancelled) cancels the engine requests."""
+    from starlette.concurrency import run_in_threadpool
 
     name = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    pumps = [asyncio.ensure_future(run_in_threadpool(_pump, server, loop, queue, i, r)) for i, r in enumerate(rids)]
     try:
-        if chat:
-            yield _chunk(server, name, chat, None, None, first=True)
-        try:
-            async for token in iterate_in_threadpool(server.engine.stream(rid)):
-                piece = tail.feed([token])
+        for i in range(len(rids) if chat else 0):
+            yield _chunk(server, name, chat, None, None, first=True, index=i)
+        running = len(rids)
+        while running:
+            i, token, error = await queue.get()
+            if token is not None:
+                piece = tails[i].feed([token])
                 if piece:
-                    yield _chunk(server, name, chat, piece, None, first=False)
-            rest, finish = tail.finish(), server.finish_reason(rid)
-        except (RequestFailedError, RequestError) as exc:  # the status line is sent: the error goes in the stream
-            error = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500)
-            yield f"data: {json.dumps(error.body())}\n\n"
-            return
-        yield _chunk(server, name, chat, rest, finish, first=False)
+                    yield _chunk(server, name, chat, piece, None, first=False, index=i)
+                continue
+            running -= 1
+            try:
+                if error is not None:
+                    raise error
+                rest, finish = tails[i].finish(), server.finish_reason(rids[i])
+            except (RequestFailedError, RequestError) as exc:  # the status line is sent: the error goes in the stream
+                failure = (
+                    exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500)
+                )
+                yield f"data: {json.dumps(failure.body())}\n\n"
+                return
+            yield _chunk(server, name, chat, rest, finish, first=False, index=i)
         if options.include_usage:  # OpenAI's stream_options: a last chunk with no choices and the usage
-            usage = {
-                "id": name,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": server.name,
-                "choices": [],
-                "usage": _usage(server, rid),
-            }
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            usage = {"id": name, "object": kind, "created": int(time.time()), "model": server.name, "choices": [],
+                     "usage": _usage(server, rids)}  # fmt: skip
             yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        server.cancel(rid)
+        for rid in rids:
+            server.cancel(rid)
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def _usage(server: _Server, rid: int) -> dict[str, int]:
-    out = server.engine.result(rid)
-    return {"prompt_tokens": len(out.prompt), "completion_tokens": len(out.tokens),
-            "total_tokens": len(out.prompt) + len(out.tokens)}  # fmt: skip
+def _usage(server: _Server, rids: list[int]) -> dict[str, int]:
+    """OpenAI's usage of a request: its prompt once, the tokens of every choice."""
+    prompt = len(server.engine.result(rids[0]).prompt)
+    completion = sum(len(server.engine.result(rid).tokens) for rid in rids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _complete(server: _Server, rid: int, tail: TextTail, chat: bool, request: Any) -> dict[str, Any]:
-    """Wait for the whole request (cancelled if the client goes away meanwhile); the response body."""
+async def _complete(
+    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, request: Any
+) -> dict[str, Any]:
+    """Wait for every choice (all cancelled if the client goes away meanwhile); the response body."""
     from starlette.concurrency import run_in_threadpool
 
-    work = asyncio.ensure_future(run_in_threadpool(lambda: list(server.engine.stream(rid))))
+    streams = [run_in_threadpool(lambda rid=rid: list(server.engine.stream(rid))) for rid in rids]
+    work = asyncio.ensure_future(asyncio.gather(*streams))
     while not work.done():
         await asyncio.wait([work], timeout=0.1)
         if not work.done() and await request.is_disconnected():
-            server.cancel(rid)
+            for rid in rids:
+                server.cancel(rid)
     try:
-        tokens = await work
+        token_lists = await work
     except RequestFailedError as exc:
         server.counts["failed"] += 1
+        for rid in rids:
+            server.cancel(rid)
         raise RequestError(f"generation failed: {exc}", status=500) from exc
-    text = tail.feed(tokens) + tail.finish()
-    finish = server.finish_reason(rid)
-    usage = _usage(server, rid)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    choices = []
+    for i, (rid, tail, tokens) in enumerate(zip(rids, tails, token_lists, strict=True)):
+        text = tail.feed(tokens) + tail.finish()
+        choice: dict[str, Any] = {"index": i, "finish_reason": server.finish_reason(rid), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
     kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": server.name,
-            "choices": [choice], "usage": usage}  # fmt: skip
+            "choices": choices, "usage": _usage(server, rids)}  # fmt: skip
 
 
 def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine: Engine | None = None) -> Any:
@@ -273,11 +317,11 @@ def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine:
             raise RequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        rid, options = server.start(body, chat)
-        tail = TextTail(server.tokenizer, options.stops)
+        rids, options = server.start(body, chat)
+        tails = [TextTail(server.tokenizer, options.stops) for _ in rids]
         if body.get("stream"):
-            return StreamingResponse(_events(server, rid, tail, chat, options), media_type="text/event-stream")
-        return await _complete(server, rid, tail, chat, request)
+            return StreamingResponse(_events(server, rids, tails, chat, options), media_type="text/event-stream")
+        return await _complete(server, rids, tails, chat, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

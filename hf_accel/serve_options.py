@@ -44,6 +44,10 @@ _HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "sto
              "repetition_penalty")  # fmt: skip
 
 
+#: the most choices (``n``) one request may ask for: each is an engine request (and a worker thread while it streams)
+MAX_CHOICES = 16
+
+
 class RequestError(Exception):
     """A bad request: answered with ``status`` and an OpenAI-style error body."""
 
@@ -93,6 +97,7 @@ class RequestOptions:
     penalties: tuple[float, float] = (0.0, 0.0)  # presence, frequency
     logit_bias: dict[int, float] = field(default_factory=dict)
     limit_given: bool = False  # max_tokens was in the body (otherwise a default, cut to the context's room)
+    n: int = 1  # choices: one engine request each
 
     def kwargs_for(self, prompt_len: int, context: int | None = None, prompt_field: str = "prompt") -> dict[str, Any]:
         """The engine keywords for a prompt of ``prompt_len`` tokens, on a model of ``context`` positions (``None``:
@@ -150,8 +155,6 @@ def _check_fields(body: dict[str, Any]) -> None:
         elif name not in _INERT and name not in _HONOURED:
             raise RequestError(f"unrecognized request field '{name}' (hf-accel serve takes the OpenAI fields "
                                f"{', '.join(_HONOURED)})", name)  # fmt: skip
-    if body.get("n", 1) != 1:
-        raise RequestError("only n=1 is supported (one choice per request)", "n")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise RequestError("only response_format {'type': 'text'} is supported (no JSON mode or schemas)",
@@ -223,7 +226,8 @@ def request_options(body: dict[str, Any], vocab: int) -> RequestOptions:
     penalties = (_number(body, "presence_penalty", -2.0, 2.0, 0.0), _number(body, "frequency_penalty", -2.0, 2.0, 0.0))
     given = any(body.get(k) is not None for k in ("max_completion_tokens", "max_tokens"))
     usage = bool((stream_options or {}).get("include_usage"))
-    return RequestOptions(kwargs, stops, usage, penalties, _logit_bias(body, vocab), given)  # type: ignore[arg-type]
+    choices = _integer(body, "n", 1, MAX_CHOICES) or 1
+    return RequestOptions(kwargs, stops, usage, penalties, _logit_bias(body, vocab), given, choices)  # type: ignore[arg-type]
 
 
 def context_length(config: Any) -> int | None:

@@ -157,7 +157,7 @@ def test_a_client_that_disconnects_cancels_its_request(server):
     [
         ({"model": "tiny", "prompt": ""}, 400, "prompt"),
         ({"model": "other", "prompt": "the sea"}, 404, "model"),
-        ({"model": "tiny", "prompt": "the sea", "n": 2}, 400, "n"),
+        ({"model": "tiny", "prompt": "the sea", "n": 17}, 400, "n"),
         ({"model": "tiny", "prompt": "the sea", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "the sea", "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "prompt": "the sea", "logprobs": 2}, 400, "logprobs"),

@@ -5,6 +5,7 @@ names it (never silently ignored): ``seed``, ``presence_penalty`` / ``frequency_
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -188,3 +189,44 @@ def test_streaming_detokenization_is_linear_in_the_completion():
     for i in range(4000):
         tail.feed([7 + i % 20])
     assert sum(decoded) < 4000 * 8, sum(decoded)
+
+
+def test_n_choices_are_separate_engine_requests_streamed_or_not(server):  # noqa: F811
+    client, model, tokenizer, _, _ = server
+    prompt, ids = "the moon is", tokenizer("the moon is")["input_ids"]
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.text for c in greedy.choices} == {_want(model, tokenizer, ids, 8)}
+    assert greedy.usage.prompt_tokens == len(ids)  # the prompt once, every choice's tokens
+    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    def sampled(**extra):
+        return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "is the sea red"}],
+                                              max_tokens=10, temperature=1.0, seed=5, n=3, **extra)  # fmt: skip
+
+    whole = [c.message.content for c in sampled().choices]
+    assert whole == [c.message.content for c in sampled().choices] and len(set(whole)) > 1  # seed + i per choice
+    texts, finishes, roles = ["", "", ""], [None] * 3, set()
+    for chunk in sampled(stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+            roles |= {c.index} if c.delta.role == "assistant" else set()
+    assert texts == whole and None not in finishes and roles == {0, 1, 2}
+
+
+def test_a_client_that_disconnects_cancels_every_choice(server):  # noqa: F811
+    client, _, _, app, _ = server
+    engine = app.state.server.engine
+    stream = client.completions.create(model="tiny", prompt="the sky", max_tokens=3000, temperature=0, n=2, stream=True)
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    rids = [engine._next_id - 2, engine._next_id - 1]
+    for _ in range(200):
+        if all(engine.result(r).finished for r in rids):
+            break
+        time.sleep(0.05)
+    assert all(engine.result(r).finish_reason == "cancelled" for r in rids)
