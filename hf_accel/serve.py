@@ -168,7 +168,7 @@ class _Server:
             f"hf_accel_generated_tokens_total {self.generated}",
             f"hf_accel_kv_blocks_used {stats['blocks_used']}",
             f"hf_accel_kv_blocks_total {stats['blocks_total']}",
-            f"hf_accel_prefix_hit_tokens_total {stats['prefix_hit_tokens']}",
+            f"hf_accel_prefix_hit_tokens_total {e.scheduler.prefix_hit_tokens}",
         ]
         return "\n".join(lines) + "\n"
 

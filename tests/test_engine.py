@@ -457,3 +457,18 @@ def test_a_seeded_request_samples_the_same_tokens_alone_or_batched_with_others()
         assert len({tuple(run(s, 0, lookup, 0)) for s in (1, 2, 3)} | {tuple(alone)}) > 1  # the seed matters
     with pytest.raises(IncompatibleOptionsError, match=r"seed must be an int in \[-2\*\*63, 2\*\*64\), got 'x'"):
         Engine(model).add_request([3, 4], seed="x")
+
+
+def test_requests_with_one_prompt_compute_it_once():
+    """Several requests with the same prompt arriving together (a server's ``n`` choices, or a burst with one system
+    prompt): the first computes the prompt, the others adopt its blocks; outputs equal ``generate``."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompt = prompts_of(1, seed=30, lo=40, hi=40)[0]
+    want = reference(model, prompt, max_new_tokens=6, eos_token_id=None)
+    engine = Engine(model, paged=PagedConfig(num_blocks=64, block_size=8, prefix_cache=True))
+    ids = [engine.add_request(prompt, max_new_tokens=6, eos_token_id=None) for _ in range(4)]
+    outputs = engine.run_until_done()
+    assert [outputs[i].tokens for i in ids] == [want] * 4
+    assert engine.scheduler.prefix_hit_tokens == 3 * 32  # 39 tokens to look up: 4 blocks of 8, three times
+    assert engine.forward_tokens == 40 + 3 * 8 + 4 * 5  # the prompt once, each twin its last 8, then 5 steps each
+    assert_pool_free(engine)

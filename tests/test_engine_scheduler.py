@@ -161,3 +161,25 @@ def test_random_workloads_always_finish_and_free_the_pool(seed):
     assert done == set(range(12))
     assert s.manager.sequences() == []
     assert s.manager.num_free + s.manager.num_evictable == s.manager.num_blocks
+
+
+def test_a_prompt_that_repeats_one_in_flight_waits_to_adopt_its_blocks():
+    """In-batch prefix sharing: a waiting sequence whose prompt mostly repeats a running prompt not yet published
+    waits a step and adopts those blocks; a sequence that shares little, and later arrivals, go ahead."""
+    s = make(num_blocks=16, block_size=4, max_batch_tokens=64, max_running=4, prefix_cache=True)
+    a, twin = seq(0, 10), seq(1, 10)
+    other = SeqState(2, [*range(10, 13), *range(40, 47)], 10, 4, arrival=2)  # shares 3 tokens: not a block
+    for state in (a, twin, other):
+        s.add(state)
+    works = s.schedule()
+    assert [(w.state.rid, w.start) for w in works] == [(0, 0), (2, 0)] and [x.rid for x in s.waiting] == [1]
+    s.publish_prompt(a)
+    fake_sample(s, works)
+    works = s.schedule()
+    assert [(w.state.rid, w.start, len(w.tokens)) for w in works] == [(0, 10, 1), (1, 8, 2), (2, 10, 1)]
+    assert s.prefix_hit_tokens == 8  # two blocks adopted instead of computed
+    s.manager.check_invariants()
+    off = make(num_blocks=16, block_size=4, max_batch_tokens=64, prefix_cache=False)
+    for state in (seq(0, 10), seq(1, 10)):
+        off.add(state)
+    assert len(off.schedule()) == 2  # nothing to adopt without a prefix cache: no waiting

@@ -192,7 +192,7 @@ def test_streaming_detokenization_is_linear_in_the_completion():
 
 
 def test_n_choices_are_separate_engine_requests_streamed_or_not(server):  # noqa: F811
-    client, model, tokenizer, _, _ = server
+    client, model, tokenizer, _, port = server
     prompt, ids = "the moon is", tokenizer("the moon is")["input_ids"]
     greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3)
     assert [c.index for c in greedy.choices] == [0, 1, 2]
@@ -205,6 +205,13 @@ def test_n_choices_are_separate_engine_requests_streamed_or_not(server):  # noqa
         return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "is the sea red"}],
                                               max_tokens=10, temperature=1.0, seed=5, n=3, **extra)  # fmt: skip
 
+    def hits() -> int:
+        text = _http(port, "/metrics")[1]
+        return int(next(line for line in text.splitlines() if line.startswith("hf_accel_prefix_hit_tokens")).split()[1])
+
+    before = hits()
+    client.completions.create(model="tiny", prompt=[7 + i % 20 for i in range(40)], max_tokens=2, temperature=0, n=3)
+    assert hits() - before >= 2 * 16  # the twins adopted the first choice's prompt blocks (counted by /metrics)
     whole = [c.message.content for c in sampled().choices]
     assert whole == [c.message.content for c in sampled().choices] and len(set(whole)) > 1  # seed + i per choice
     texts, finishes, roles = ["", "", ""], [None] * 3, set()

@@ -5,7 +5,8 @@ No tensors, no Transformers. Each step it decides which sequences feed which tok
 1. running sequences that are decoding get one token each (their last one), oldest first;
 2. running sequences still prefilling get their next prompt chunk from what is left of the token budget;
 3. waiting sequences are admitted in arrival order (FIFO) while the budget, ``max_running`` and the pool allow,
-   reusing cached prompt prefixes; a long prompt is prefilled in chunks across steps;
+   reusing cached prompt prefixes; a long prompt is prefilled in chunks across steps; a sequence whose prompt
+   mostly repeats a running prompt not yet published waits for it (and adopts its blocks), later ones go ahead;
 4. decoding sequences with a proposer get draft tokens from the budget left over (never at another's expense).
 
 A sequence's state is its tokens (prompt + generated) and ``computed``, how many of them have K/V in the pool;
@@ -95,6 +96,18 @@ class Work:
     slots: list[int] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)
     sample: bool = False
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 
 #: ``propose(state, max_tokens) -> drafts`` (at most ``max_tokens``; ``[]`` for none).
@@ -228,21 +241,42 @@ class Scheduler:
         )
 
     def _admit(self, budget: int, plan: dict[int, Work]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            state = self.waiting[0]
+        """Admit waiting sequences in arrival order; one whose prompt mostly repeats a prompt still being computed
+        waits for it (it then adopts those blocks instead of computing them again) while later ones go ahead."""
+        deferred = 0
+        while len(self.waiting) > deferred and budget > 0 and len(self.running) < self.max_running:
+            state = self.waiting[deferred]
+            if self._shares_prompt_in_flight(state):
+                deferred += 1
+                continue
             self._attach(state)
             n = min(budget, len(state.tokens) - state.computed)
             got = self.manager.append_slots(state.seq, n)  # type: ignore[arg-type]
             if got is None:  # the pool is full of running sequences: wait for one to finish
                 self._release(state)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(deferred)
             self.prefix_hit_tokens += state.computed
             state.phase = Phase.RUNNING
             bisect.insort(self.running, state, key=lambda s: s.arrival)
             self._add_work(state, n, got, plan)
             budget -= n
         return budget
+
+    def _shares_prompt_in_flight(self, state: SeqState) -> bool:
+        """Whether at least half of ``state``'s prompt (and a whole block) repeats the prompt of a running sequence
+        whose prompt is not computed and published yet: the several choices of one request, or a burst of requests
+        with one long system prompt (SGLang calls this in-batch prefix caching)."""
+        if not self.manager.prefix_cache or state.computed or state.preemptions:
+            return False
+        size, want = self.manager.block_size, state.tokens[: state.prompt_len - 1]
+        for other in self.running:
+            if other.prompt_published:
+                continue
+            shared = _common_prefix(want, other.tokens[: other.prompt_len])
+            if shared >= size and 2 * shared >= len(want):
+                return True
+        return False
 
     def _attach(self, state: SeqState) -> None:
         """Give a waiting sequence its block table, adopting the longest cached prefix of its tokens."""
