@@ -147,6 +147,8 @@ def test_random_workloads_always_finish_and_free_the_pool(seed):
             done.add(victim.rid)
         works = s.schedule(propose=lambda state, k: [rng.randint(3, 6) for _ in range(rng.randint(0, k))])
         for w in works:
+            if seed % 2:  # as the engine does after each step (half the runs: waiting twins then wait for finishes)
+                s.publish_prompt(w.state)
             if w.sample:
                 accepted = rng.randint(0, len(w.drafts))
                 s.accept(w, accepted)
