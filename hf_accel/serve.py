@@ -9,6 +9,7 @@ with a 4xx status. Needs the ``serve`` extra (FastAPI and uvicorn).
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from .core.errors import HFAccelError
-from .engine import Engine, FinishReason, RequestFailedError
+from .engine import Engine, FinishReason, RequestFailedError, TokenLogprob
 from .serve_options import RequestError, RequestOptions, context_length, message_text, request_options
 
 __all__ = ["create_app", "serve"]
@@ -123,7 +124,7 @@ class _Server:
         """Read ``body`` and queue its ``n`` engine requests (one per choice; they share the prompt's K/V through
         the prefix cache): their ids and the options. Choice ``i`` of a seeded request samples with ``seed + i``."""
         config = self.engine.model.config.get_text_config()
-        options = request_options(body, config.vocab_size)
+        options = request_options(body, config.vocab_size, chat)
         ids = self.prompt(body, chat)
         kwargs = options.kwargs_for(len(ids), context_length(config), "messages" if chat else "prompt")
         rids: list[int] = []
@@ -153,6 +154,10 @@ class _Server:
         self.counts["completed" if out.finish_reason != FinishReason.CANCELLED else "cancelled"] += 1
         return _FINISH.get(out.finish_reason, "stop")
 
+    def token_text(self, token: int) -> str:
+        """One token as text (a piece of a multi-byte character reads as U+FFFD)."""
+        return self.tokenizer.decode([token])
+
     def cancel(self, rid: int) -> None:
         if not self.engine.result(rid).finished:
             self.engine.cancel(rid)
@@ -174,30 +179,40 @@ class _Server:
 
 
 def _chunk(
-    server: _Server, rid: str, chat: bool, text: str | None, finish: str | None, first: bool, index: int = 0
+    server: _Server,
+    rid: str,
+    chat: bool,
+    text: str | None,
+    finish: str | None,
+    first: bool,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> str:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     payload = {"id": rid, "object": obj, "created": int(time.time()), "model": server.name, "choices": [choice]}
     return f"data: {json.dumps(payload)}\n\n"
 
 
 def _pump(server: _Server, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int, rid: int) -> None:
-    """Hand request ``rid``'s tokens to ``queue`` as ``(index, token, None)``, then ``(index, None, error)``."""
+    """Hand request ``rid``'s tokens to ``queue`` as ``(index, token, logprob entry or None, None)``, then
+    ``(index, None, None, error)``."""
     error: BaseException | None = None
+    out = server.engine.result(rid)
     try:
-        for token in server.engine.stream(rid):
-            loop.call_soon_threadsafe(queue.put_nowait, (index, token, None))
+        for j, token in enumerate(server.engine.stream(rid)):
+            entry = out.logprobs[j] if out.logprobs is not None else None  # appended before its token
+            loop.call_soon_threadsafe(queue.put_nowait, (index, token, entry, None))
     except Exception as exc:  # handed to the response, which reports it
         error = exc
-    loop.call_soon_threadsafe(queue.put_nowait, (index, None, error))
+    loop.call_soon_threadsafe(queue.put_nowait, (index, None, None, error))
 
 
 async def _events(
@@ -211,16 +226,20 @@ async def _events(
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     pumps = [asyncio.ensure_future(run_in_threadpool(_pump, server, loop, queue, i, r)) for i, r in enumerate(rids)]
+    pending: list[list[TokenLogprob]] = [[] for _ in rids]  # entries of tokens not yet in a chunk
     try:
         for i in range(len(rids) if chat else 0):
             yield _chunk(server, name, chat, None, None, first=True, index=i)
         running = len(rids)
         while running:
-            i, token, error = await queue.get()
+            i, token, entry, error = await queue.get()
             if token is not None:
+                pending[i] += [entry] if entry is not None else []
                 piece = tails[i].feed([token])
                 if piece:
-                    yield _chunk(server, name, chat, piece, None, first=False, index=i)
+                    lp = _logprobs(server, pending[i], chat) if options.logprobs is not None else None
+                    pending[i] = []
+                    yield _chunk(server, name, chat, piece, None, first=False, index=i, logprobs=lp)
                 continue
             running -= 1
             try:
@@ -233,7 +252,8 @@ async def _events(
                 )
                 yield f"data: {json.dumps(failure.body())}\n\n"
                 return
-            yield _chunk(server, name, chat, rest, finish, first=False, index=i)
+            lp = _logprobs(server, pending[i], chat) if options.logprobs is not None else None
+            yield _chunk(server, name, chat, rest, finish, first=False, index=i, logprobs=lp)
         if options.include_usage:  # OpenAI's stream_options: a last chunk with no choices and the usage
             kind = "chat.completion.chunk" if chat else "text_completion"
             usage = {"id": name, "object": kind, "created": int(time.time()), "model": server.name, "choices": [],
@@ -246,6 +266,22 @@ async def _events(
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
+def _logprobs(server: _Server, entries: list[TokenLogprob], chat: bool) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` object of ``entries``: chat's ``content`` list, or completions' parallel lists."""
+    text = server.token_text
+    if chat:
+
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            return {"token": text(token), "logprob": logprob, "bytes": list(text(token).encode())}
+
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                            for e in entries]}  # fmt: skip
+    tokens = [text(e.token) for e in entries]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
+            "top_logprobs": [{text(t): v for t, v in e.top} for e in entries]}  # fmt: skip
+
+
 def _usage(server: _Server, rids: list[int]) -> dict[str, int]:
     """OpenAI's usage of a request: its prompt once, the tokens of every choice."""
     prompt = len(server.engine.result(rids[0]).prompt)
@@ -254,7 +290,7 @@ def _usage(server: _Server, rids: list[int]) -> dict[str, int]:
 
 
 async def _complete(
-    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, request: Any
+    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, request: Any, options: RequestOptions
 ) -> dict[str, Any]:
     """Wait for every choice (all cancelled if the client goes away meanwhile); the response body."""
     from starlette.concurrency import run_in_threadpool
@@ -276,7 +312,9 @@ async def _complete(
     choices = []
     for i, (rid, tail, tokens) in enumerate(zip(rids, tails, token_lists, strict=True)):
         text = tail.feed(tokens) + tail.finish()
-        choice: dict[str, Any] = {"index": i, "finish_reason": server.finish_reason(rid), "logprobs": None}
+        entries = server.engine.result(rid).logprobs if options.logprobs is not None else None
+        logprobs = None if entries is None else _logprobs(server, entries, chat)
+        choice: dict[str, Any] = {"index": i, "finish_reason": server.finish_reason(rid), "logprobs": logprobs}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -321,7 +359,7 @@ def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine:
         tails = [TextTail(server.tokenizer, options.stops) for _ in rids]
         if body.get("stream"):
             return StreamingResponse(_events(server, rids, tails, chat, options), media_type="text/event-stream")
-        return await _complete(server, rids, tails, chat, request)
+        return await _complete(server, rids, tails, chat, request, options)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

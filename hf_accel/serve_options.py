@@ -34,14 +34,16 @@ _INERT = ("model", "prompt", "messages", "stream", "user", "metadata", "store", 
           "safety_identifier", "parallel_tool_calls")  # fmt: skip
 #: fields the server does not implement, with the values that ask for nothing (accepted)
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,),
 }  # fmt: skip
 _HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n", "seed", "presence_penalty",
              "frequency_penalty", "logit_bias", "response_format", "stream_options", "top_k", "min_p",
-             "repetition_penalty")  # fmt: skip
+             "repetition_penalty", "logprobs", "top_logprobs")  # fmt: skip
+#: the most alternatives per token ``logprobs`` / ``top_logprobs`` may ask for (OpenAI's chat limit)
+MAX_LOGPROBS = 20
 
 
 #: the most choices (``n``) one request may ask for: each is an engine request (and a worker thread while it streams)
@@ -98,6 +100,7 @@ class RequestOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)
     limit_given: bool = False  # max_tokens was in the body (otherwise a default, cut to the context's room)
     n: int = 1  # choices: one engine request each
+    logprobs: int | None = None  # alternatives per token with each token's log-probability (None: none asked)
 
     def kwargs_for(self, prompt_len: int, context: int | None = None, prompt_field: str = "prompt") -> dict[str, Any]:
         """The engine keywords for a prompt of ``prompt_len`` tokens, on a model of ``context`` positions (``None``:
@@ -203,7 +206,20 @@ def _logit_bias(body: dict[str, Any], vocab: int) -> dict[int, float]:
     return out
 
 
-def request_options(body: dict[str, Any], vocab: int) -> RequestOptions:
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Alternatives per token asked for: chat's ``logprobs: true`` + ``top_logprobs: k``; completions'
+    ``logprobs: k``."""
+    if not chat:
+        return None if body.get("logprobs") is False else _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    wanted, k = body.get("logprobs"), _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise RequestError(f"'logprobs' must be a boolean, got {wanted!r}", "logprobs")
+    if k is not None and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (k or 0) if wanted else None
+
+
+def request_options(body: dict[str, Any], vocab: int, chat: bool = False) -> RequestOptions:
     """Read a completions / chat completions ``body`` (a model of ``vocab`` tokens) into :class:`RequestOptions`.
 
     Raises:
@@ -226,8 +242,11 @@ def request_options(body: dict[str, Any], vocab: int) -> RequestOptions:
     penalties = (_number(body, "presence_penalty", -2.0, 2.0, 0.0), _number(body, "frequency_penalty", -2.0, 2.0, 0.0))
     given = any(body.get(k) is not None for k in ("max_completion_tokens", "max_tokens"))
     usage = bool((stream_options or {}).get("include_usage"))
-    choices = _integer(body, "n", 1, MAX_CHOICES) or 1
-    return RequestOptions(kwargs, stops, usage, penalties, _logit_bias(body, vocab), given, choices)  # type: ignore[arg-type]
+    choices, logprobs = _integer(body, "n", 1, MAX_CHOICES) or 1, _logprobs(body, chat)
+    if logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    bias = _logit_bias(body, vocab)
+    return RequestOptions(kwargs, stops, usage, penalties, bias, given, choices, logprobs)  # type: ignore[arg-type]
 
 
 def context_length(config: Any) -> int | None:

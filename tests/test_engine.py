@@ -472,3 +472,28 @@ def test_requests_with_one_prompt_compute_it_once():
     assert engine.scheduler.prefix_hit_tokens == 3 * 32  # 39 tokens to look up: 4 blocks of 8, three times
     assert engine.forward_tokens == 40 + 3 * 8 + 4 * 5  # the prompt once, each twin its last 8, then 5 steps each
     assert_pool_free(engine)
+
+
+def test_logprobs_are_the_models_own_for_every_kept_token_also_through_drafts():
+    """``logprobs=k``: each generated token's log-softmax of the raw logits where it was chosen, and the ``k``
+    likeliest tokens there; equal to a plain forward over the finished sequence, with and without prompt lookup."""
+    model = hf_accel.patch_model(tiny_model("llama"))
+    prompt = prompts_of(2, seed=15, lo=8, hi=12)[0] * 4  # the greedy output repeats it: drafts are accepted
+    engine = Engine(model, paged=small_pool(96))
+    kwargs = dict(max_new_tokens=20, eos_token_id=None, logprobs=3)
+    ids = [engine.add_request(prompt, **kwargs), engine.add_request(prompt, prompt_lookup=True, **kwargs),
+           engine.add_request(prompt, do_sample=True, temperature=0.7, seed=4, **kwargs)]  # fmt: skip
+    outputs = engine.run_until_done()
+    assert outputs[ids[1]].accepted > 0  # drafts were kept: their entries come from the verification chunk
+    for rid in ids:
+        out = outputs[rid]
+        with torch.no_grad():
+            logits = model(torch.tensor([out.prompt + out.tokens])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.float(), -1)  # [20, V]
+        assert [e.token for e in out.logprobs] == out.tokens and all(len(e.top) == 3 for e in out.logprobs)
+        got = torch.tensor([e.logprob for e in out.logprobs])
+        torch.testing.assert_close(got, want.gather(1, torch.tensor(out.tokens)[:, None])[:, 0], atol=1e-4, rtol=0)
+        assert [[t for t, _ in e.top] for e in out.logprobs] == want.topk(3, -1).indices.tolist()
+    assert engine.result(engine.add_request(prompt, max_new_tokens=2)).logprobs is None
+    with pytest.raises(IncompatibleOptionsError, match=r"logprobs must be an int >= 0 \(alternatives per token\)"):
+        engine.add_request(prompt, logprobs=-1)

@@ -237,3 +237,33 @@ def test_a_client_that_disconnects_cancels_every_choice(server):  # noqa: F811
             break
         time.sleep(0.05)
     assert all(engine.result(r).finish_reason == "cancelled" for r in rids)
+
+
+def test_logprobs_of_completions_and_chat_streamed_or_not(server):  # noqa: F811
+    client, model, tokenizer, _, port = server
+    ids = tokenizer("the sun is")["input_ids"]
+    out = client.completions.create(model="tiny", prompt="the sun is", max_tokens=6, temperature=0, logprobs=2)
+    lp, n = out.choices[0].logprobs, out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    sequence = ids + tokenizer.convert_tokens_to_ids([t.strip() for t in lp.tokens])
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([sequence])).logits[0, len(ids) - 1 : -1].float(), -1)
+    chosen = want.gather(1, torch.tensor(sequence[len(ids) :])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), chosen, atol=1e-4, rtol=0)
+    assert all(
+        len(top) == 2 and max(top.values()) == pytest.approx(v)
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )  # fmt: skip  (greedy: the chosen token is the likeliest)
+    messages = [{"role": "user", "content": "is the sun red"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=8, temperature=0.9, seed=2, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed = [e for c in client.chat.completions.create(stream=True, **kw) for ch in c.choices
+                for e in (ch.logprobs.content if ch.logprobs else [])]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole] and len(whole) > 0
+    assert all(len(e.top_logprobs) == 3 and e.bytes == list(e.token.encode()) for e in whole)
+    assert client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).choices[0].logprobs is None
+    for body, param in [({"messages": messages, "logprobs": "yes"}, "logprobs"),
+                        ({"messages": messages, "top_logprobs": 2}, "top_logprobs"),
+                        ({"messages": messages, "logprobs": True, "top_logprobs": 21}, "top_logprobs")]:  # fmt: skip
+        code, text = _http(port, "/v1/chat/completions", {"model": "tiny", **body})
+        assert code == 400 and json.loads(text)["error"]["param"] == param, text

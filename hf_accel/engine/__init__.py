@@ -1,6 +1,14 @@
 """Continuous batching over the paged KV cache: :class:`Engine` and its pure scheduler."""
 
 from .engine import Engine, EngineStoppedError, UnknownRequestError
-from .request import FinishReason, RequestFailedError, RequestOutput
+from .request import FinishReason, RequestFailedError, RequestOutput, TokenLogprob
 
-__all__ = ["Engine", "EngineStoppedError", "FinishReason", "RequestFailedError", "RequestOutput", "UnknownRequestError"]
+__all__ = [
+    "Engine",
+    "EngineStoppedError",
+    "FinishReason",
+    "RequestFailedError",
+    "RequestOutput",
+    "TokenLogprob",
+    "UnknownRequestError",
+]

@@ -32,7 +32,7 @@ from ..paged.layer import uses_paged_attention
 from ..speculative.rows import length_following_rope
 from .ledger import Ledger, UnknownRequestError
 from .request import FinishReason, RequestFailedError, RequestOutput, Tracked, build_spec, prompt_ids
-from .runner import next_tokens, packed_forward, stop_reason
+from .runner import choose, packed_forward, stop_reason
 from .scheduler import Phase, Scheduler, SeqState, Work
 
 __all__ = ["Engine", "EngineStoppedError", "UnknownRequestError"]
@@ -143,8 +143,8 @@ class Engine:
             **kwargs: what ``generate`` takes for one sequence: ``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos_token_id``, ``stop_strings``,
                 ``logits_processor``, ``stopping_criteria``, ``streamer``; ``prompt_lookup=True`` (or
-                ``speculative=PromptLookup(...)``) to speculate with prompt lookup; ``seed=`` (an int): sample from
-                the request's own generator, whatever is batched beside it (up to float rounding between batches).
+                ``speculative=PromptLookup(...)``) to speculate with prompt lookup; ``seed=`` (an int): a generator
+                of the request's own; ``logprobs=k``: each token's log-probability and ``k`` alternatives.
 
         Returns:
             The request id.
@@ -423,13 +423,13 @@ class Engine:
         state = work.state
         tracked = self._requests[state.rid]
         self.scheduler.publish_prompt(state)
-        verdict = next_tokens(tracked, work.drafts, *logits)
+        verdict, entries = choose(tracked, work.drafts, *logits)
         tracked.output.proposed += len(work.drafts)
         tracked.output.accepted += verdict.accepted
         self.scheduler.accept(work, verdict.accepted)
-        for token in verdict.tokens:
+        for token, entry in zip(verdict.tokens, entries, strict=True):
             state.tokens.append(token)
-            tracked.emit(token)
+            tracked.emit(token, entry)
             reason = stop_reason(tracked, token, state.generated, state.max_new_tokens)
             if reason is not None:
                 state.computed = min(state.computed, len(state.tokens) - 1)

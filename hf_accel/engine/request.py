@@ -24,7 +24,15 @@ from ..core.errors import HFAccelError, IncompatibleOptionsError
 from ..core.tokens import TokenBuffer
 from ..speculative.strategies import PromptLookup
 
-__all__ = ["FinishReason", "RequestFailedError", "RequestOutput", "RequestSpec", "build_spec", "prompt_ids"]
+__all__ = [
+    "FinishReason",
+    "RequestFailedError",
+    "RequestOutput",
+    "RequestSpec",
+    "TokenLogprob",
+    "build_spec",
+    "prompt_ids",
+]
 
 #: ``generate`` keywords a request takes besides ``GenerationConfig`` fields.
 _EXTRA_KWARGS = (
@@ -35,6 +43,7 @@ _EXTRA_KWARGS = (
     "prompt_lookup",
     "speculative",
     "seed",
+    "logprobs",
 )
 
 
@@ -69,6 +78,24 @@ class RequestSpec:
     #: the request's own random source (``seed=``): its sampled tokens depend on its seed, not on the requests
     #: batched beside it or torch's global seed. ``None``: torch's global generator
     generator: torch.Generator | None = None
+    #: ``logprobs=k``: each generated token's log-probability and the ``k`` likeliest alternatives (``None``: none)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution at its position (the raw logits'
+    log-softmax: before temperature, penalties, top-k / top-p), and the ``k`` likeliest tokens there.
+
+    Args:
+        token: the generated token id.
+        logprob: its log-probability.
+        top: ``(token id, log-probability)`` of the ``k`` likeliest tokens, likeliest first.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -84,6 +111,7 @@ class RequestOutput:
         time_to_first_token / latency: seconds from :meth:`Engine.add_request` to its first token / to the end.
         preemptions: times it was preempted (its K/V recomputed later).
         proposed / accepted: speculative draft tokens proposed and accepted.
+        logprobs: one :class:`TokenLogprob` per generated token (``add_request(logprobs=k)``; else ``None``).
     """
 
     request_id: int
@@ -96,6 +124,7 @@ class RequestOutput:
     preemptions: int = 0
     proposed: int = 0
     accepted: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -125,10 +154,13 @@ class Tracked:
         prompt = self.output.prompt
         self.ids = TokenBuffer(prompt, capacity=len(prompt) + self.spec.max_new_tokens)
 
-    def emit(self, token: int) -> None:
+    def emit(self, token: int, logprob: TokenLogprob | None = None) -> None:
         out = self.output
         if out.time_to_first_token is None:
             out.time_to_first_token = time.perf_counter() - self.added_at
+        if logprob is not None:  # before the token: a reader that sees token i finds its entry
+            out.logprobs = [] if out.logprobs is None else out.logprobs
+            out.logprobs.append(logprob)
         out.tokens.append(token)
         self.ids.append(token)
         if self.spec.streamer is not None:
@@ -171,6 +203,9 @@ def build_spec(
     streamer = kwargs.pop("streamer", None)
     lookup = _lookup(kwargs.pop("speculative", None)) or _lookup(kwargs.pop("prompt_lookup", None))
     generator = _generator(kwargs.pop("seed", None), device)
+    logprobs = kwargs.pop("logprobs", None)
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise IncompatibleOptionsError(f"logprobs must be an int >= 0 (alternatives per token), got {logprobs!r}")
     cfg, max_new = _resolve_config(model, base, kwargs, prompt_len)
     if cfg.stop_strings and tokenizer is None:
         raise IncompatibleOptionsError(
@@ -204,6 +239,7 @@ def build_spec(
         streamer=streamer,
         plain_stop=None if sample or len(processors) else _plain_stop(stopping),
         generator=generator,
+        logprobs=logprobs,
     )
 
 

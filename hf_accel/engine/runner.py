@@ -16,10 +16,10 @@ from ..compile.paged_step import CompiledPagedDecode
 from ..paged.attention import DECODE_MAX_QUERY
 from ..paged.cache import PagedCache
 from ..speculative.verify import Verdict, verify_greedy, verify_sampling
-from .request import FinishReason, Tracked
+from .request import FinishReason, TokenLogprob, Tracked
 from .scheduler import Work
 
-__all__ = ["next_tokens", "packed_forward", "stop_reason"]
+__all__ = ["choose", "next_tokens", "packed_forward", "stop_reason"]
 
 
 def packed_forward(
@@ -114,6 +114,24 @@ def next_tokens(tracked: Tracked, drafts: list[int], logits: torch.Tensor, picks
             break
     picks += [-1] * (len(drafts) + 1 - len(picks))
     return verify_greedy(torch.tensor(drafts, dtype=torch.long), torch.tensor(picks))
+
+
+def choose(
+    tracked: Tracked, drafts: list[int], logits: torch.Tensor, picks: list[int]
+) -> tuple[Verdict, list[TokenLogprob | None]]:
+    """:func:`next_tokens`, and each kept token's :class:`TokenLogprob` where the request asked for them (token ``i``
+    of the verdict was chosen from ``logits[i]``; one read of the device for all of them)."""
+    verdict = next_tokens(tracked, drafts, logits, picks)
+    k = tracked.spec.logprobs
+    if k is None:
+        return verdict, [None] * len(verdict.tokens)
+    rows = torch.log_softmax(logits[: len(verdict.tokens)].float(), -1)  # [T, V]
+    chosen = rows.gather(1, torch.tensor(verdict.tokens, device=rows.device)[:, None])[:, 0]  # [T]
+    top = rows.topk(min(k, rows.shape[-1]), -1)  # [T, k]
+    values, ids, top_values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
+    entries = [TokenLogprob(t, v, tuple(zip(i, tv, strict=True)))
+               for t, v, i, tv in zip(verdict.tokens, values, ids, top_values, strict=True)]  # fmt: skip
+    return verdict, entries
 
 
 def stop_reason(tracked: Tracked, token: int, generated: int, max_new_tokens: int) -> FinishReason | None:
