@@ -2,7 +2,7 @@
 
 Every field of a completions / chat completions body is either honoured, accepted because it cannot change the
 output (``user``, ``metadata``, ...), or answered with a 400 that names it: a field the server does not implement
-(``logprobs``, ``tools``, ``response_format`` other than text, ...) and an unknown field alike, as OpenAI's own API
+(``echo``, ``tools``, ``response_format`` other than text, ...) and an unknown field alike, as OpenAI's own API
 answers, so a client never gets an answer that silently ignored what it asked for.
 
 OpenAI's ``presence_penalty`` / ``frequency_penalty`` (counted over the completion's tokens, not the prompt's) and
