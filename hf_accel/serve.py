@@ -246,10 +246,8 @@ async def _events(
                 if error is not None:
                     raise error
                 rest, finish = tails[i].finish(), server.finish_reason(rids[i])
-            except (RequestFailedError, RequestError) as exc:  # the status line is sent: the error goes in the stream
-                failure = (
-                    exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", status=500)
-                )
+            except Exception as exc:  # the status line is sent: the error goes in the stream
+                failure = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", None, 500)
                 yield f"data: {json.dumps(failure.body())}\n\n"
                 return
             lp = _logprobs(server, pending[i], chat) if options.logprobs is not None else None

@@ -267,3 +267,26 @@ def test_logprobs_of_completions_and_chat_streamed_or_not(server):  # noqa: F811
                         ({"messages": messages, "logprobs": True, "top_logprobs": 21}, "top_logprobs")]:  # fmt: skip
         code, text = _http(port, "/v1/chat/completions", {"model": "tiny", **body})
         assert code == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+def test_a_request_that_fails_while_generating_gets_a_500_or_an_error_event(server, monkeypatch):  # noqa: F811
+    """A failure inside the engine fails that request alone: a 500 body, or (the status line sent) an error event
+    in the stream of a request with two choices; the server keeps serving."""
+    from hf_accel.engine import engine as engine_module
+
+    client, _, tokenizer, _, port = server
+    real, night = engine_module.choose, tokenizer.convert_tokens_to_ids("night")
+
+    def failing(tracked, *args):
+        if tracked.output.prompt[-1] == night:  # this prompt's requests only
+            raise RuntimeError("boom")
+        return real(tracked, *args)
+
+    monkeypatch.setattr(engine_module, "choose", failing)
+    code, text = _http(port, "/v1/completions", {"model": "tiny", "prompt": "the day and night", "max_tokens": 4})
+    assert code == 500 and "boom" in json.loads(text)["error"]["message"]
+    body = {"model": "tiny", "prompt": "the day and night", "max_tokens": 4, "stream": True, "n": 2}
+    code, text = _http(port, "/v1/completions", body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert code == 200 and events[-1]["error"]["type"] == "server_error" and "boom" in events[-1]["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="the sea", max_tokens=3, temperature=0).choices[0].text
