@@ -11,15 +11,18 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
 from .core.errors import HFAccelError
 from .engine import Engine, FinishReason, RequestFailedError, TokenLogprob
+from .engine.runner import token_logprobs
 from .serve_options import RequestError, RequestOptions, context_length, message_text, request_options
 
 __all__ = ["create_app", "serve"]
@@ -83,6 +86,13 @@ class TextTail:
             return ""
         piece, self.sent = text[self.sent : end], end
         return piece
+
+
+class Echo(NamedTuple):
+    """What ``echo`` puts before a completion: the prompt's text and its tokens' log-probability entries."""
+
+    text: str
+    entries: list[TokenLogprob]
 
 
 class _Server:
@@ -154,6 +164,22 @@ class _Server:
         self.counts["completed" if out.finish_reason != FinishReason.CANCELLED else "cancelled"] += 1
         return _FINISH.get(out.finish_reason, "stop")
 
+    def echoed(self, body: dict[str, Any], rids: list[int], options: RequestOptions) -> Echo | None:
+        """The prompt as ``echo`` returns it: its text and, with ``logprobs``, each prompt token's entry from one
+        forward of the model (the first token's log-probability is unknown: NaN, written as null)."""
+        if not options.echo:
+            return None
+        ids = self.engine.result(rids[0]).prompt
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        if options.logprobs is None:
+            return Echo(text, [])
+        with torch.no_grad():
+            logits = self.engine.model(input_ids=torch.tensor([ids], device=self.engine.device)).logits[0, :-1]
+        entries = token_logprobs(logits, ids[1:], options.logprobs) if len(ids) > 1 else []  # logits: [L - 1, V]
+        return Echo(text, [TokenLogprob(ids[0], math.nan), *entries])
+
     def token_text(self, token: int) -> str:
         """One token as text (a piece of a multi-byte character reads as U+FFFD)."""
         return self.tokenizer.decode([token])
@@ -216,7 +242,7 @@ def _pump(server: _Server, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
 
 
 async def _events(
-    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, options: RequestOptions
+    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, options: RequestOptions, echo: Echo | None
 ) -> AsyncIterator[str]:
     """Server-sent events of a request's choices, interleaved as their tokens come (each chunk names its choice's
     index); a disconnect (the task is cancelled) cancels the engine requests."""
@@ -230,6 +256,9 @@ async def _events(
     try:
         for i in range(len(rids) if chat else 0):
             yield _chunk(server, name, chat, None, None, first=True, index=i)
+        for i in range(len(rids) if echo else 0):  # completions' echo: the prompt first
+            lp = _logprobs(server, echo.entries, chat) if options.logprobs is not None else None  # type: ignore[union-attr]
+            yield _chunk(server, name, chat, echo.text, None, first=False, index=i, logprobs=lp)  # type: ignore[union-attr]
         running = len(rids)
         while running:
             i, token, entry, error = await queue.get()
@@ -276,8 +305,9 @@ def _logprobs(server: _Server, entries: list[TokenLogprob], chat: bool) -> dict[
                             for e in entries]}  # fmt: skip
     tokens = [text(e.token) for e in entries]
     offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "text_offset": offsets,
-            "top_logprobs": [{text(t): v for t, v in e.top} for e in entries]}  # fmt: skip
+    top = [None if math.isnan(e.logprob) else {text(t): v for t, v in e.top} for e in entries]  # echo's first: none
+    return {"tokens": tokens, "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
+            "text_offset": offsets, "top_logprobs": top}  # fmt: skip
 
 
 def _usage(server: _Server, rids: list[int]) -> dict[str, int]:
@@ -288,7 +318,13 @@ def _usage(server: _Server, rids: list[int]) -> dict[str, int]:
 
 
 async def _complete(
-    server: _Server, rids: list[int], tails: list[TextTail], chat: bool, request: Any, options: RequestOptions
+    server: _Server,
+    rids: list[int],
+    tails: list[TextTail],
+    chat: bool,
+    request: Any,
+    options: RequestOptions,
+    echo: Echo | None,
 ) -> dict[str, Any]:
     """Wait for every choice (all cancelled if the client goes away meanwhile); the response body."""
     from starlette.concurrency import run_in_threadpool
@@ -309,8 +345,9 @@ async def _complete(
         raise RequestError(f"generation failed: {exc}", status=500) from exc
     choices = []
     for i, (rid, tail, tokens) in enumerate(zip(rids, tails, token_lists, strict=True)):
-        text = tail.feed(tokens) + tail.finish()
+        text = (echo.text if echo else "") + tail.feed(tokens) + tail.finish()
         entries = server.engine.result(rid).logprobs if options.logprobs is not None else None
+        entries = None if entries is None else [*(echo.entries if echo else []), *entries]
         logprobs = None if entries is None else _logprobs(server, entries, chat)
         choice: dict[str, Any] = {"index": i, "finish_reason": server.finish_reason(rid), "logprobs": logprobs}
         if chat:
@@ -323,13 +360,37 @@ async def _complete(
             "choices": choices, "usage": _usage(server, rids)}  # fmt: skip
 
 
+async def _respond(server: _Server, request: Any, chat: bool) -> Any:
+    """One completions / chat completions request: read, queue, answer (a stream or the whole body)."""
+    from fastapi.responses import StreamingResponse
+    from starlette.concurrency import run_in_threadpool
+
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise RequestError("the request body is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    rids, options = server.start(body, chat)
+    tails = [TextTail(server.tokenizer, options.stops) for _ in rids]
+    try:
+        echo = await run_in_threadpool(server.echoed, body, rids, options)
+    except Exception as exc:
+        for rid in rids:
+            server.cancel(rid)
+        raise RequestError(f"the prompt's log-probabilities failed: {exc!r}", "echo", 500) from exc
+    if body.get("stream"):
+        return StreamingResponse(_events(server, rids, tails, chat, options, echo), media_type="text/event-stream")
+    return await _complete(server, rids, tails, chat, request, options, echo)
+
+
 def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine: Engine | None = None) -> Any:
     """A FastAPI app serving ``model`` (patched by :func:`hf_accel.patch_model`) through an :class:`Engine`.
 
     The engine's background loop starts with the app and stops (cancelling what runs) when it shuts down.
     """
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
 
     server = _Server(engine or Engine(model, tokenizer=tokenizer), tokenizer, name)
 
@@ -347,17 +408,7 @@ def create_app(model: nn.Module, tokenizer: Any, name: str = "hf_accel", engine:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     async def generate(request: Request, chat: bool) -> Any:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise RequestError("the request body is not valid JSON") from exc
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
-        rids, options = server.start(body, chat)
-        tails = [TextTail(server.tokenizer, options.stops) for _ in rids]
-        if body.get("stream"):
-            return StreamingResponse(_events(server, rids, tails, chat, options), media_type="text/event-stream")
-        return await _complete(server, rids, tails, chat, request, options)
+        return await _respond(server, request, chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

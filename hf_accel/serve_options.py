@@ -2,7 +2,7 @@
 
 Every field of a completions / chat completions body is either honoured, accepted because it cannot change the
 output (``user``, ``metadata``, ...), or answered with a 400 that names it: a field the server does not implement
-(``echo``, ``tools``, ``response_format`` other than text, ...) and an unknown field alike, as OpenAI's own API
+(``tools``, ``response_format`` other than text, ...) and an unknown field alike, as OpenAI's own API
 answers, so a client never gets an answer that silently ignored what it asked for.
 
 OpenAI's ``presence_penalty`` / ``frequency_penalty`` (counted over the completion's tokens, not the prompt's) and
@@ -34,14 +34,14 @@ _INERT = ("model", "prompt", "messages", "stream", "user", "metadata", "store", 
           "safety_identifier", "parallel_tool_calls")  # fmt: skip
 #: fields the server does not implement, with the values that ask for nothing (accepted)
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""),
+    "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,),
 }  # fmt: skip
 _HONOURED = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "n", "seed", "presence_penalty",
              "frequency_penalty", "logit_bias", "response_format", "stream_options", "top_k", "min_p",
-             "repetition_penalty", "logprobs", "top_logprobs")  # fmt: skip
+             "repetition_penalty", "logprobs", "top_logprobs", "echo")  # fmt: skip
 #: the most alternatives per token ``logprobs`` / ``top_logprobs`` may ask for (OpenAI's chat limit)
 MAX_LOGPROBS = 20
 
@@ -101,6 +101,7 @@ class RequestOptions:
     limit_given: bool = False  # max_tokens was in the body (otherwise a default, cut to the context's room)
     n: int = 1  # choices: one engine request each
     logprobs: int | None = None  # alternatives per token with each token's log-probability (None: none asked)
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' log-probabilities) first
 
     def kwargs_for(self, prompt_len: int, context: int | None = None, prompt_field: str = "prompt") -> dict[str, Any]:
         """The engine keywords for a prompt of ``prompt_len`` tokens, on a model of ``context`` positions (``None``:
@@ -245,8 +246,10 @@ def request_options(body: dict[str, Any], vocab: int, chat: bool = False) -> Req
     choices, logprobs = _integer(body, "n", 1, MAX_CHOICES) or 1, _logprobs(body, chat)
     if logprobs is not None:
         kwargs["logprobs"] = logprobs
-    bias = _logit_bias(body, vocab)
-    return RequestOptions(kwargs, stops, usage, penalties, bias, given, choices, logprobs)  # type: ignore[arg-type]
+    bias, echo = _logit_bias(body, vocab), body.get("echo")
+    if echo not in (None, False, True) or (echo and chat):
+        raise RequestError("'echo' is a boolean of /v1/completions", "echo")
+    return RequestOptions(kwargs, stops, usage, penalties, bias, given, choices, logprobs, bool(echo))  # type: ignore[arg-type]
 
 
 def context_length(config: Any) -> int | None:

@@ -161,7 +161,7 @@ def test_a_client_that_disconnects_cancels_its_request(server):
         ({"model": "tiny", "prompt": "the sea", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny", "prompt": "the sea", "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "prompt": "the sea", "logprobs": 21}, 400, "logprobs"),
-        ({"model": "tiny", "prompt": "the sea", "echo": True}, 400, "echo"),
+        ({"model": "tiny", "prompt": "the sea", "echo": "yes"}, 400, "echo"),
         ({"model": "tiny", "prompt": "the sea", "stop": [3]}, 400, "stop"),
         ({"model": "tiny", "prompt": ["the sea", "the sky"]}, 400, "prompt"),  # one prompt per request
     ],

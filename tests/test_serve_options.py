@@ -290,3 +290,27 @@ def test_a_request_that_fails_while_generating_gets_a_500_or_an_error_event(serv
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
     assert code == 200 and events[-1]["error"]["type"] == "server_error" and "boom" in events[-1]["error"]["message"]
     assert client.completions.create(model="tiny", prompt="the sea", max_tokens=3, temperature=0).choices[0].text
+
+
+def test_echo_puts_the_prompt_and_its_log_probabilities_first(server):  # noqa: F811
+    """Completions' ``echo`` (how evaluation harnesses score a text: ``echo=True, logprobs=1, max_tokens=1``): the
+    prompt's text, then the completion; each prompt token's log-probability given the ones before (the first: null)."""
+    client, model, tokenizer, _, port = server
+    prompt, ids = "the sun is blue and", tokenizer("the sun is blue and")["input_ids"]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0).choices[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == prompt + plain.text and len(lp.tokens) == len(ids) + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset == sorted(lp.text_offset)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    chosen = want.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1 : len(ids)]), chosen, atol=1e-4, rtol=0)
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                              stream=True))  # fmt: skip
+    assert streamed[0].choices[0].text == prompt and "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    no_lp = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert no_lp.choices[0].text == out.choices[0].text and no_lp.choices[0].logprobs is None
+    code, text = _http(port, "/v1/chat/completions", {"model": "tiny", "echo": True,
+                                                      "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert code == 400 and json.loads(text)["error"]["param"] == "echo"

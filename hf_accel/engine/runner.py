@@ -19,7 +19,7 @@ from ..speculative.verify import Verdict, verify_greedy, verify_sampling
 from .request import FinishReason, TokenLogprob, Tracked
 from .scheduler import Work
 
-__all__ = ["choose", "next_tokens", "packed_forward", "stop_reason"]
+__all__ = ["choose", "next_tokens", "packed_forward", "stop_reason", "token_logprobs"]
 
 
 def packed_forward(
@@ -125,13 +125,18 @@ def choose(
     k = tracked.spec.logprobs
     if k is None:
         return verdict, [None] * len(verdict.tokens)
-    rows = torch.log_softmax(logits[: len(verdict.tokens)].float(), -1)  # [T, V]
-    chosen = rows.gather(1, torch.tensor(verdict.tokens, device=rows.device)[:, None])[:, 0]  # [T]
+    return verdict, list(token_logprobs(logits[: len(verdict.tokens)], verdict.tokens, k))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """Each of ``tokens``' log-probability under ``logits`` ``[T, V]`` (row ``i`` the distribution ``tokens[i]`` was
+    chosen from) and the ``k`` likeliest tokens of that row (one read of the device for all of them)."""
+    rows = torch.log_softmax(logits.float(), -1)  # [T, V]
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]  # [T]
     top = rows.topk(min(k, rows.shape[-1]), -1)  # [T, k]
     values, ids, top_values = chosen.tolist(), top.indices.tolist(), top.values.tolist()
-    entries = [TokenLogprob(t, v, tuple(zip(i, tv, strict=True)))
-               for t, v, i, tv in zip(verdict.tokens, values, ids, top_values, strict=True)]  # fmt: skip
-    return verdict, entries
+    return [TokenLogprob(t, v, tuple(zip(i, tv, strict=True)))
+            for t, v, i, tv in zip(tokens, values, ids, top_values, strict=True)]  # fmt: skip
 
 
 def stop_reason(tracked: Tracked, token: int, generated: int, max_new_tokens: int) -> FinishReason | None:
