@@ -88,6 +88,14 @@ class TextTail:
         return piece
 
 
+def _one_prompt(body: dict[str, Any]) -> Any:
+    """A completions body's ``prompt``, a batch of one (``["text"]``, ``[[ids]]``) taken as that one prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
+
+
 class Echo(NamedTuple):
     """What ``echo`` puts before a completion: the prompt's text and its tokens' log-probability entries."""
 
@@ -120,9 +128,7 @@ class _Server:
             except Exception as exc:
                 raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one prompt
+        prompt = _one_prompt(body)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             return prompt  # token ids (checked against the vocabulary by the engine)
         if not isinstance(prompt, str) or not prompt:
@@ -138,9 +144,9 @@ class _Server:
         ids = self.prompt(body, chat)
         kwargs = options.kwargs_for(len(ids), context_length(config), "messages" if chat else "prompt")
         rids: list[int] = []
+        seed = kwargs.get("seed")
         try:
             for i in range(options.n):
-                seed = kwargs.get("seed")
                 rids.append(self.submit(ids, kwargs if seed is None else {**kwargs, "seed": (seed + i) % 2**63}))
         except RequestError:
             for rid in rids:
@@ -170,8 +176,7 @@ class _Server:
         if not options.echo:
             return None
         ids = self.engine.result(rids[0]).prompt
-        prompt = body.get("prompt")
-        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        prompt = _one_prompt(body)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         if options.logprobs is None:
             return Echo(text, [])

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from .core.registry import rope_entries
+
 __all__ = [
     "LogitBias",
     "OpenAIPenalties",
@@ -255,11 +257,7 @@ def request_options(body: dict[str, Any], vocab: int, chat: bool = False) -> Req
 def context_length(config: Any) -> int | None:
     """The positions a model of ``config`` was trained for (``max_position_embeddings``), or ``None`` where rotary
     scaling changes its reach (yarn, dynamic, longrope, ...: a server then checks nothing)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    entries = (
-        [params] if "rope_type" in params or "type" in params else [v for v in params.values() if isinstance(v, dict)]
-    )
-    if any(str(e.get("rope_type", e.get("type", "default"))) != "default" for e in entries):
+    if any(str(e.get("rope_type", e.get("type", "default"))) != "default" for e in rope_entries(config)):
         return None
     limit = getattr(config, "max_position_embeddings", None)
     return int(limit) if isinstance(limit, int) else None

@@ -8,7 +8,7 @@ modules; every feature walks that result instead of knowing architecture names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -26,6 +26,7 @@ __all__ = [
     "decoder_linears",
     "get_spec",
     "resolve",
+    "rope_entries",
     "supported_model_types",
 ]
 
@@ -90,6 +91,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("granite"),
     )
 }
+
+
+def rope_entries(config: Any) -> list[dict[str, Any]]:
+    """The rotary embedding parameters of ``config``: ``rope_parameters`` (or the older ``rope_scaling``), one dict
+    with a ``rope_type`` (or the older ``type``), or one dict per layer type; empty without rotary parameters."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "rope_type" in params or "type" in params:
+        return [params]
+    return [v for v in params.values() if isinstance(v, dict)]
 
 
 def supported_model_types() -> list[str]:

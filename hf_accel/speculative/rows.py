@@ -16,6 +16,7 @@ from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
+from ..core.registry import rope_entries
 from ..core.tokens import TokenBuffer
 
 __all__ = [
@@ -185,10 +186,8 @@ def length_following_rope(config: Any) -> list[tuple[str, int]]:
     """``(rope_type, limit)`` of each rotary embedding of ``config`` whose frequencies follow the length of the longest
     sequence in a forward (Transformers' ``dynamic`` scaling: recomputed at every step past ``max_position_embeddings``;
     ``longrope``: long factors once a forward passes ``original_max_position_embeddings``); empty for the others."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    entries = [params] if "rope_type" in params else [v for v in params.values() if isinstance(v, dict)]
     found = []
-    for entry in entries:
+    for entry in rope_entries(config):
         kind = str(entry.get("rope_type", entry.get("type", "default")))
         if "dynamic" in kind:
             limit = getattr(config, "max_position_embeddings", None)
