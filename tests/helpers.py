@@ -32,9 +32,15 @@ _TINY = dict(
 )
 
 
+#: per-architecture settings that make two layers show what the architecture does
+_TINY_ARCH = {
+    "smollm3": dict(no_rope_layer_interval=2),  # layer 1 is a NoPE layer (the default puts one in every 4th)
+}
+
+
 def tiny_config(model_type: str, **overrides):
     """A 2-layer, 64-wide config of ``model_type`` (GQA: 4 query heads, 2 KV heads)."""
-    return AutoConfig.for_model(model_type, **{**_TINY, **overrides})
+    return AutoConfig.for_model(model_type, **{**_TINY, **_TINY_ARCH.get(model_type, {}), **overrides})
 
 
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:

@@ -18,7 +18,7 @@ from hf_accel.native.apply import NativeForward
 from hf_accel.native.layers import layers_choice
 
 pytestmark = pytest.mark.skipif(layers_choice(set()) is None, reason="no native build on this CPU")
-LEAN = ["llama", "mistral", "qwen2", "qwen3"]
+LEAN = ["llama", "mistral", "qwen2", "qwen3", "smollm3"]  # smollm3: a layer without rotary embedding
 NO_EOS = dict(do_sample=False, eos_token_id=None)
 
 
@@ -98,10 +98,10 @@ def test_report_unpatch_and_models_it_cannot_serve(caplog):
     hf_accel.unpatch_model(patched)
     assert "forward" not in vars(patched)
     cases = {
-        "gemma": (tiny_model("gemma"), "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3"),
+        "gemma": (tiny_model("gemma"), "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3"),
         "bf16": (
             tiny_model("gemma", dtype=torch.bfloat16),
-            "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3",
+            "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3",
         ),
         "fp64": (
             tiny_model("llama", dtype=torch.float64),
@@ -168,7 +168,7 @@ def test_speculation_verifies_through_the_same_executor():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "smollm3"])
 @pytest.mark.parametrize("init", [0.2, 0.02])
 def test_paged_generate_runs_its_decode_steps_natively(arch, init):
     plain, patched = _pair(arch, init)
@@ -181,7 +181,7 @@ def test_paged_generate_runs_its_decode_steps_natively(arch, init):
         assert patched.forward.calls - calls >= 19  # every decode step (a short prompt too)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm3"])
 def test_engine_decode_steps_run_natively(arch):
     plain, patched = _pair(arch)
     prompts = [[5, 6, 7, 8], list(range(10, 40)), [9, 9, 9, 9, 9, 9, 9, 9], [3, 4]]

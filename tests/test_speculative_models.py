@@ -207,11 +207,14 @@ _LEAN_CASES = [
     ("mistral", False, False),
     ("qwen2", False, False),
     ("qwen3", False, False),
+    ("smollm3", False, False),  # a layer without a rotary embedding (NoPE)
     ("llama", True, False),
     pytest.param("llama", False, True, marks=_NATIVE),
     pytest.param("mistral", False, True, marks=_NATIVE),
     pytest.param("qwen2", False, True, marks=_NATIVE),  # q/k/v biases
     pytest.param("qwen3", False, True, marks=_NATIVE),  # per-head q/k norms
+    pytest.param("smollm3", False, True, {"num_hidden_layers": 4}, marks=_NATIVE),  # NoPE layers 1 and 3: 4 runs
+    pytest.param("smollm3", True, True, marks=_NATIVE),
     pytest.param("llama", True, True, marks=_NATIVE),  # int8 copy with a fused gate/up
     pytest.param("qwen3", "fused", True, marks=_NATIVE),  # float, fused gate/up
     pytest.param("qwen2", True, True, marks=_NATIVE),
@@ -270,7 +273,7 @@ def test_lean_draft_step_matches_the_model_forward(arch, int8, native, overrides
 
 
 @_NATIVE
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "fused"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3", "fused"])
 @pytest.mark.parametrize(
     ("lengths", "hole"),
     [

@@ -4,7 +4,8 @@ Compiling the whole decode step traces and compiles every decoder layer: on Smol
 spends ~96 s compiling on a 2-core CPU (docs/compile.md). The layers of a model run the same code on weights of the
 same shapes, so one graph can serve them all. The regional step runs the model's ``forward`` eagerly (embedding,
 rotary tables, final norm, LM head) and each decoder layer through one compiled copy of its class's ``forward`` per
-*kind* of layer (``config.layer_types``: full or sliding attention; one kind for most models). Dynamo inlines the
+*kind* of layer (``config.layer_types``: full or sliding attention; SmolLM3's layers without a rotary embedding are
+a kind of their own; one kind for most models). Dynamo inlines the
 layer's submodules and takes their weights as graph inputs, so the graph does not depend on which layer runs it; the
 layer gets only its own pools (:class:`~hf_accel.paged.step_op.DecodePlan` with one pool instead of every layer's),
 so it never reads its index.
@@ -39,13 +40,15 @@ class LayerSlot(NamedTuple):
 
 def layer_slots(model: nn.Module, layers: list[tuple[nn.Module, nn.Module, int]]) -> tuple[LayerSlot, ...]:
     """``(decoder layer, attention module, position)`` of every layer -> its :class:`LayerSlot` (the pool index is the
-    attention's ``layer_idx``, as the cache's; the kind is ``config.layer_types[i]`` where the config has them)."""
+    attention's ``layer_idx``, as the cache's; the kind is ``config.layer_types[i]`` where the config has them, and
+    whether the attention rotates (a graph guards on SmolLM3's per-layer ``use_rope``))."""
     types_ = getattr(getattr(model, "config", None), "layer_types", None)
     slots = []
     for layer, attention, position in layers:
         pool = getattr(attention, "layer_idx", position)
         kind = str(types_[pool]) if types_ is not None and pool < len(types_) else "layer"
-        slots.append(LayerSlot(layer, pool, f"{type(layer).__name__}:{kind}"))
+        rope = "" if getattr(attention, "use_rope", True) else ":no-rope"
+        slots.append(LayerSlot(layer, pool, f"{type(layer).__name__}:{kind}{rope}"))
     return tuple(slots)
 
 

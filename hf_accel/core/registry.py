@@ -89,6 +89,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ),
         ArchSpec("olmo2"),
         ArchSpec("granite"),
+        ArchSpec("smollm3"),
     )
 }
 

@@ -13,7 +13,7 @@ dot products (:meth:`NativeLayers.mode`; AVX-512 VNNI's ``vpdpbusd`` / ``vpdpwss
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -148,10 +148,19 @@ class NativeLayers:
     """
 
     def __init__(
-        self, choice: Choice, params: list[list[torch.Tensor]], eps: float, scaling: float, kv: tuple[int, int, int]
+        self,
+        choice: Choice,
+        params: list[list[torch.Tensor]],
+        eps: float,
+        scaling: float,
+        kv: tuple[int, int, int],
+        rope: list[bool] | None = None,
     ) -> None:
         self.choice, self.eps, self.scaling = choice, eps, scaling
         self.flat = [t for layer in params for t in layer]  # LAYER_PARAMS tensors per layer
+        #: runs of consecutive layers ``(start, stop, rotated)``, one call each: a layer without a rotary embedding
+        #: (SmolLM3's NoPE layers) runs with identity tables (cos 1, sin 0: the rotation returns its input exactly)
+        self.runs = _runs(rope if rope is not None else [True] * len(params))
         #: the model's float weights are bfloat16 / float16 (``None``: float32): the layers take and return float32
         #: hidden states all the same (:class:`~.step.LeanStep` converts at the embedding and the head)
         self.half: torch.dtype | None = next((t.dtype for t in self.flat if t.dtype in HALF_DTYPES), None)
@@ -260,9 +269,21 @@ class NativeLayers:
         if why is not None:
             return None, why
         kv = (step.heads, step.kv_heads, step.head_dim)
-        layers = NativeLayers(choice, params, float(step.norm.variance_epsilon), float(scaling), kv)
+        rope = [bool(getattr(layer.self_attn, "use_rope", True)) for layer in step.layers]
+        layers = NativeLayers(choice, params, float(step.norm.variance_epsilon), float(scaling), kv, rope)
         layers.int8_activations = acts == {"int8"}
         return layers, ""
+
+    def run_tables(
+        self, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Iterator[tuple[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]]:
+        """Each run of layers ``(start, stop)`` with the rotary tables it takes (``cos / sin [N, D]``; identity
+        tables for layers without a rotary embedding)."""
+        identity = None
+        for start, stop, rotated in self.runs:
+            if not rotated and identity is None:
+                identity = (torch.ones_like(cos), torch.zeros_like(sin))
+            yield (start, stop), ((cos, sin) if rotated else identity)
 
     def serves(self, cache: Any) -> bool:
         """Whether ``cache`` is one growing layer per decoder layer (the native call writes into its buffers)."""
@@ -284,21 +305,14 @@ class NativeLayers:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         reserved = [layer.reserve(batch, kv_heads, width, dim, self.kv_dtype, h.device) for layer in cache.layers]
         used = reserved[0][2]
-        out = self.choice.fn(
-            h.reshape(batch * width, hidden),
-            self.params(batch * width),
-            [r[0] for r in reserved],
-            [r[1] for r in reserved],
-            used,
-            allowed.contiguous(),
-            cos.reshape(batch * width, dim),
-            sin.reshape(batch * width, dim),
-            heads,
-            kv_heads,
-            self.eps,
-            self.scaling,
-            mode,
-        )  # [B*C, E]
+        keys, values = [r[0] for r in reserved], [r[1] for r in reserved]
+        flat, allowed = self.params(batch * width), allowed.contiguous()
+        out = h.reshape(batch * width, hidden)
+        for (start, stop), (c, s) in self.run_tables(cos.reshape(batch * width, dim), sin.reshape(batch * width, dim)):
+            out = self.choice.fn(
+                out, flat[start * len(LAYER_PARAMS) : stop * len(LAYER_PARAMS)], keys[start:stop],
+                values[start:stop], used, allowed, c, s, heads, kv_heads, self.eps, self.scaling, mode,
+            )  # [B*C, E]  # fmt: skip
         for layer in cache.layers:
             layer.commit(used + width)
         return out.view(batch, width, hidden)
@@ -322,11 +336,14 @@ def paged_layers(
     int32)`` from the cache (copy-on-write copies already done). ``cos / sin [B, C, D]``. Returns ``[B, C, E]``."""
     batch, width, hidden = h.shape
     slots, tables, q_pos = plan
-    out = native.paged_fn(
-        h.reshape(batch * width, hidden), native.params(batch * width), [p.keys for p in pools],
-        [p.values for p in pools], slots, tables, q_pos, cos.reshape(batch * width, -1),
-        sin.reshape(batch * width, -1), native.heads, native.kv_heads, native.eps, native.scaling, mode,
-    )  # fmt: skip
+    flat, per = native.params(batch * width), len(LAYER_PARAMS)
+    out = h.reshape(batch * width, hidden)
+    for (start, stop), (c, s) in native.run_tables(cos.reshape(batch * width, -1), sin.reshape(batch * width, -1)):
+        out = native.paged_fn(
+            out, flat[start * per : stop * per], [p.keys for p in pools[start:stop]],
+            [p.values for p in pools[start:stop]], slots, tables, q_pos, c, s, native.heads, native.kv_heads,
+            native.eps, native.scaling, mode,
+        )  # [B*C, E]  # fmt: skip
     return out.view(batch, width, hidden)
 
 
@@ -335,6 +352,17 @@ def _kind(module: Any) -> str:
     weight = getattr(module, "weight", None)
     dtype = f"{str(weight.dtype).removeprefix('torch.')} " if isinstance(weight, torch.Tensor) else ""
     return f"a {dtype}{type(module).__name__}"
+
+
+def _runs(rope: list[bool]) -> list[tuple[int, int, bool]]:
+    """Consecutive layers with the same ``rope`` flag as ``(start, stop, rotated)`` runs."""
+    runs: list[tuple[int, int, bool]] = []
+    for index, rotated in enumerate(rope):
+        if runs and runs[-1][2] == rotated:
+            runs[-1] = (runs[-1][0], index + 1, rotated)
+        else:
+            runs.append((index, index + 1, rotated))
+    return runs
 
 
 def _layer_params(

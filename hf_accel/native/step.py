@@ -38,7 +38,7 @@ from .layers import (
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanStep"]
 
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HEAD_KERNEL_ROWS = CPU.int8_head_kernel_rows  # an int8 head runs the kernel up to this many rows
@@ -318,8 +318,9 @@ class LeanStep:
             v = attn.v_proj(x).view(batch, width, self.kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D]
             if hasattr(attn, "q_norm"):  # qwen3: per-head norms before the rotation
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, H, C, D]
-            k = _rotate(k.transpose(1, 2), cos, sin)  # [B, H_kv, C, D]
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, C, D], [B, H_kv, C, D]
+            if getattr(attn, "use_rope", True):  # SmolLM3's NoPE layers have none
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.update(k, v, attn.layer_idx)  # [B, H_kv, T, D]
             folded = q.reshape(batch, self.kv_heads, groups * width, self.head_dim)  # [B, H_kv, G*C, D]
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=allowed, scale=attn.scaling)
