@@ -38,9 +38,18 @@ _TINY_ARCH = {
 }
 
 
+#: architectures whose default layers would all be sliding at two layers: theirs alternate sliding and full here
+#: (cohere2's and exaone4's full layers have no rotary embedding)
+_ALTERNATING = ("ministral", "olmo3", "cohere2", "exaone4")
+
+
 def tiny_config(model_type: str, **overrides):
     """A 2-layer, 64-wide config of ``model_type`` (GQA: 4 query heads, 2 KV heads)."""
-    return AutoConfig.for_model(model_type, **{**_TINY, **_TINY_ARCH.get(model_type, {}), **overrides})
+    settings = {**_TINY, **_TINY_ARCH.get(model_type, {}), **overrides}
+    if model_type in _ALTERNATING and "layer_types" not in settings:
+        kinds = ("sliding_attention", "full_attention")
+        settings["layer_types"] = [kinds[i % 2] for i in range(settings["num_hidden_layers"])]
+    return AutoConfig.for_model(model_type, **settings)
 
 
 def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:

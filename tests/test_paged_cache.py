@@ -37,7 +37,7 @@ def test_greedy_identical_to_dynamic_cache(arch, batch):
     assert stats["live_tokens"] == sum(BATCHES[batch]) + batch * 11  # the last token is never fed back
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "mistral"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "mistral", "ministral", "olmo3", "cohere2", "exaone4"])
 @pytest.mark.parametrize("attention", ["kernel", "gather"])
 def test_sliding_window_and_softcap_layers(arch, attention):
     if attention == "kernel" and not KERNEL.native:

@@ -90,6 +90,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("olmo2"),
         ArchSpec("granite"),
         ArchSpec("smollm3"),
+        ArchSpec("ministral"),
+        ArchSpec("olmo3"),
+        ArchSpec("cohere2"),
+        ArchSpec("exaone4"),
+        ArchSpec("ernie4_5"),
+        ArchSpec(
+            "glm4",
+            gate_proj=None,
+            up_proj=None,
+            gate_up_proj="gate_up_proj",
+            act_fn="activation_fn",
+        ),
     )
 }
 
