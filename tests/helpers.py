@@ -35,6 +35,20 @@ _TINY = dict(
 #: per-architecture settings that make two layers show what the architecture does
 _TINY_ARCH = {
     "smollm3": dict(no_rope_layer_interval=2),  # layer 1 is a NoPE layer (the default puts one in every 4th)
+    # queries scaled by position from position 8 on (Llama 4's attention scaling; from 16,384 by default)
+    "ministral3": dict(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e6,
+            "factor": 2.0,
+            "original_max_position_embeddings": 8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    ),
 }
 
 

@@ -17,7 +17,7 @@ from hf_accel.core.metrics import TimingStreamer
 from hf_accel.patch import default_config
 from hf_accel.speculative import auto
 
-LEAN = ["llama", "mistral", "qwen2", "qwen3", "smollm3"]
+LEAN = ["llama", "mistral", "qwen2", "qwen3", "smollm3", "exaone"]
 KW = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 

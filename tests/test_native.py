@@ -18,7 +18,7 @@ from hf_accel.native.apply import NativeForward
 from hf_accel.native.layers import layers_choice
 
 pytestmark = pytest.mark.skipif(layers_choice(set()) is None, reason="no native build on this CPU")
-LEAN = ["llama", "mistral", "qwen2", "qwen3", "smollm3"]  # smollm3: a layer without rotary embedding
+LEAN = ["llama", "mistral", "qwen2", "qwen3", "smollm3", "exaone"]  # smollm3: a layer without rotary embedding
 NO_EOS = dict(do_sample=False, eos_token_id=None)
 
 
@@ -97,11 +97,12 @@ def test_report_unpatch_and_models_it_cannot_serve(caplog):
     assert report["changes"]["native"] == {"forward runs the native executor (dynamic cache)": 1}
     hf_accel.unpatch_model(patched)
     assert "forward" not in vars(patched)
+    not_lean = "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3, exaone"
     cases = {
-        "gemma": (tiny_model("gemma"), "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3"),
+        "gemma": (tiny_model("gemma"), not_lean),
         "bf16": (
             tiny_model("gemma", dtype=torch.bfloat16),
-            "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3",
+            not_lean,
         ),
         "fp64": (
             tiny_model("llama", dtype=torch.float64),

@@ -294,5 +294,5 @@ def test_the_loop_says_how_it_verified_and_why():
     gemma = hf_accel.patch_model(tiny_model("gemma"))
     out = gemma.generate(ids, prompt_lookup=True, do_sample=False, **kwargs)
     assert out.speculative["head"].startswith("float head: model_type 'gemma'")
-    why = "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3"
+    why = "model_type 'gemma' is not one of llama, mistral, qwen2, qwen3, smollm3, exaone"
     assert out.speculative["target"] == f"model forward: {why}"

@@ -95,6 +95,16 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("cohere2"),
         ArchSpec("exaone4"),
         ArchSpec("ernie4_5"),
+        ArchSpec("ministral3"),
+        ArchSpec("cohere"),
+        ArchSpec("exaone"),
+        ArchSpec(
+            "glm",
+            gate_proj=None,
+            up_proj=None,
+            gate_up_proj="gate_up_proj",
+            act_fn="activation_fn",
+        ),
         ArchSpec(
             "glm4",
             gate_proj=None,

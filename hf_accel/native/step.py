@@ -38,7 +38,7 @@ from .layers import (
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanStep"]
 
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "exaone")  # exaone: Llama's classes
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _HEAD_KERNEL_ROWS = CPU.int8_head_kernel_rows  # an int8 head runs the kernel up to this many rows
