@@ -114,6 +114,7 @@ def promise(case: Case, stops: bool | None = None) -> tuple[str, type[Exception]
         (paged and outputs and opts.get("return_dict_in_generate"), r"generate\(paged=...\) does not return"),
         ((paged or speculative) and ragged, "right padding|left-padded|left padding"),
         (speculative and scores and rows > 1 and finishes, "for a batch of .* rows that may finish"),
+        (speculative and rows > 1 and stops and opts.get("eos_token_id") is None, "without an EOS token"),
         (speculative and opts.get("guidance_scale"), "classifier-free guidance"),
         ((paged or speculative) and opts.get("cache_implementation"), "cache_implementation"),
     ]

@@ -462,6 +462,40 @@ def test_logits_processors_eos_and_stopping_criteria_behave_as_plain(arch):
         assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, **kwargs, **extra), expected)
 
 
+def test_a_batch_whose_rows_a_criterion_finishes_without_an_eos_token():
+    """Without an EOS token Transformers pads no finished row: a row a stopping criterion (or a stop string) finished
+    goes on generating until every row has finished. Speculation stops computing such a row, so explicit speculation
+    refuses the batch, the default patch decodes it as usual, and with an EOS token set both agree with the plain
+    model."""
+    plain = tiny_model("llama")
+    patched = hf_accel.patch_model(tiny_model("llama"))  # the default patch: automatic speculation of greedy calls
+    ids, mask = _repetitive_batch(3, seed=5)
+    probe = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    stop = int(probe[1, ids.shape[1] + 3])  # row 1 meets it early: rows finish at different steps
+
+    class StopAt(StoppingCriteria):  # a user's per-row criterion
+        def __call__(self, input_ids, scores, **kw):
+            return input_ids[:, -1] == stop
+
+    kwargs = dict(
+        max_new_tokens=12, do_sample=False, pad_token_id=PAD, stopping_criteria=StoppingCriteriaList([StopAt()])
+    )
+    expected = plain.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **kwargs)
+    assert int(expected[1, ids.shape[1] + 4]) != PAD  # row 1 went on after it finished
+    got = patched.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, **kwargs)
+    assert torch.equal(got, expected)
+    with pytest.raises(IncompatibleOptionsError, match="without an EOS token Transformers' decoding goes on"):
+        patched.generate(input_ids=ids, attention_mask=mask, eos_token_id=None, prompt_lookup=True, **kwargs)
+    one = patched.generate(
+        input_ids=ids[1:2], attention_mask=mask[1:2], eos_token_id=None, prompt_lookup=True, **kwargs
+    )
+    assert torch.equal(one, plain.generate(input_ids=ids[1:2], attention_mask=mask[1:2], eos_token_id=None, **kwargs))
+    expected = plain.generate(input_ids=ids, attention_mask=mask, eos_token_id=EOS, **kwargs)
+    assert torch.equal(patched.generate(input_ids=ids, attention_mask=mask, eos_token_id=EOS, **kwargs), expected)
+    got = patched.generate(input_ids=ids, attention_mask=mask, eos_token_id=EOS, prompt_lookup=True, **kwargs)
+    assert torch.equal(got, expected)
+
+
 def test_streamer_receives_every_token_once():
     _, patched = _pair("llama")
     ids, _ = _repetitive_batch(1)

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.call import GenerateCall
+from ..core.call import GenerateCall, eos_token_ids
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
 from ..native.apply import NativeForward
-from .rows import check_left_padding, rope_refusal
+from .rows import check_left_padding, finished_rows_go_on, rope_refusal
 
 __all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
 
@@ -57,7 +57,30 @@ def auto_refusal(model: nn.Module, call: GenerateCall) -> str | None:
         return "a paged cache with prefix caching (speculative calls do not reuse cached prefixes)"
     if _option(call, model, "stop_strings", None) and call.kwargs.get("tokenizer") is None:
         return "stop_strings without tokenizer="
-    return _padding_refusal(model, call) or _rope_refusal(model, call) or _cheap_target(model)
+    return (
+        _padding_refusal(model, call)
+        or _stop_refusal(model, call)
+        or _rope_refusal(model, call)
+        or _cheap_target(model)
+    )
+
+
+def _stop_refusal(model: nn.Module, call: GenerateCall) -> str | None:
+    """A batch whose rows a stop string or a caller's criterion may finish, without an EOS token: Transformers'
+    decoding goes on generating a finished row there (:func:`~.rows.finished_rows_go_on`)."""
+    ids = call.input_ids()
+    rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+    rows *= int(_option(call, model, "num_return_sequences", 1))
+    given = list(call.kwargs.get("stopping_criteria") or ())
+    if (
+        rows < 2
+        or eos_token_ids(_option(call, model, "eos_token_id", None))
+        or not (_option(call, model, "stop_strings", None) or finished_rows_go_on(given))
+    ):
+        return None
+    if any(hasattr(c, "eos_token_id") for c in given):  # the caller's own EOS criterion pads finished rows
+        return None
+    return "stop strings or a stopping criterion in a batch without an EOS token (a finished row goes on there)"
 
 
 def _rope_refusal(model: nn.Module, call: GenerateCall) -> str | None:

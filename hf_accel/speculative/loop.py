@@ -34,7 +34,7 @@ from .kept import claimed
 from .output import SpeculativeStats, build_output
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
-from .rows import Rows, check_cache, rope_refusal, row_independent, scoreless, widen
+from .rows import Rows, check_cache, finished_rows_go_on, rope_refusal, row_independent, scoreless, widen
 from .screen import HeadScreen
 from .strategies import Proposal, Strategy
 from .target import head_screen, screen_obstacle, target_obstacle, target_step
@@ -420,6 +420,13 @@ def make_custom_generate(strategy: Strategy, streamer: Any, on_stats: Callable[[
             if getattr(generation_config, flag, False):
                 raise IncompatibleOptionsError(f"speculative generation does not return {flag.removeprefix('output_')}")
         _check_scores(generation_config, input_ids.shape[0], stopping_criteria)
+        if input_ids.shape[0] > 1 and finished_rows_go_on(stopping_criteria):
+            raise IncompatibleOptionsError(
+                "speculative generation stops computing a row once a stop string or stopping criterion finishes it; "
+                "without an EOS token Transformers' decoding goes on generating that row until every row has "
+                "finished, so a batch's outputs would differ: set eos_token_id, pass one prompt per call, or drop the "
+                "speculative keyword for this call"
+            )
         if model_kwargs.get("inputs_embeds") is not None:
             raise IncompatibleOptionsError("speculative generation needs input_ids (inputs_embeds are not supported)")
         loop = _Loop(model, strategy, logits_processor, stopping_criteria, generation_config, streamer)

@@ -23,6 +23,7 @@ __all__ = [
     "Rows",
     "check_cache",
     "check_left_padding",
+    "finished_rows_go_on",
     "length_following_rope",
     "rope_refusal",
     "row_independent",
@@ -180,6 +181,20 @@ def scoreless(criterion: Any) -> bool:
     """Whether a stopping criterion never reads the scores (the screened head computes none): Transformers' length,
     time, EOS and stop-string criteria, or one that says so with ``reads_scores = False``."""
     return type(criterion) in _scoreless_criteria() or getattr(criterion, "reads_scores", True) is False
+
+
+def finished_rows_go_on(criteria: Any) -> bool:
+    """Whether Transformers' decoding goes on generating a row that a stopping criterion among ``criteria`` finished
+    (a stop string, a caller's criterion): it pads finished rows only where an EOS criterion is among them, and
+    otherwise keeps every row's real tokens until all rows have finished. Length and time stop every row together.
+    Speculative generation stops computing a finished row, so a batch's outputs would differ."""
+    from transformers import MaxLengthCriteria, MaxTimeCriteria
+
+    from ..core.metrics import StepClock
+
+    criteria = list(criteria or ())
+    per_row = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria, StepClock))]
+    return bool(per_row) and not any(hasattr(c, "eos_token_id") for c in criteria)
 
 
 def length_following_rope(config: Any) -> list[tuple[str, int]]:
