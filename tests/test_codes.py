@@ -201,7 +201,7 @@ def _pair(arch: str, init: float, linears: str = "q4_1", **features):
 
 
 @native_only
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3"])
 @pytest.mark.parametrize("init", [0.2, 0.02])
 def test_coded_model_decodes_as_the_unpatched_model(arch, init):
     plain, patched = _pair(arch, init)

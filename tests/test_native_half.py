@@ -34,7 +34,7 @@ def _pair(arch: str, dtype: torch.dtype, init: float = 0.2):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3"])
 @pytest.mark.parametrize("init", [0.2, 0.02])
 def test_half_model_decodes_as_its_weights_in_float32(arch, dtype, init):
     widened, patched = _pair(arch, dtype, init)

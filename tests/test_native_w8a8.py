@@ -39,7 +39,7 @@ def _pair(arch: str, init: float = 0.2):
 
 @needs_native
 @pytest.mark.parametrize("lacks", WIDEST_AND_AVX2)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm3"])
 @pytest.mark.parametrize("init", [0.2, 0.02])
 def test_w8a8_greedy_identical_to_the_modules_forward(pretend_cpu_lacks, lacks, arch, init):
     pretend_cpu_lacks(*lacks)
