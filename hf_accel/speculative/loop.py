@@ -27,14 +27,22 @@ from torch import nn
 
 from ..core.call import eos_token_ids
 from ..core.errors import IncompatibleOptionsError
-from ..core.metrics import StepClock
 from ..core.protocols import RowRollback
 from ..native.growing import to_growing
 from .kept import claimed
 from .output import SpeculativeStats, build_output
 from .policy import SpeculationPolicy
 from .ragged import RaggedCache
-from .rows import Rows, check_cache, finished_rows_go_on, rope_refusal, row_independent, scoreless, widen
+from .rows import (
+    Rows,
+    check_cache,
+    finished_rows_go_on,
+    per_row_criteria,
+    rope_refusal,
+    row_independent,
+    scoreless,
+    widen,
+)
 from .screen import HeadScreen
 from .strategies import Proposal, Strategy
 from .target import head_screen, screen_obstacle, target_obstacle, target_step
@@ -388,11 +396,8 @@ def _check_scores(config: Any, batch: int, criteria: Any) -> None:
         IncompatibleOptionsError: ``output_scores`` / ``output_logits`` with more than one row and an EOS token,
             stop strings or another per-row stopping criterion.
     """
-    from transformers import MaxLengthCriteria, MaxTimeCriteria
-
     asked = [f for f in ("output_scores", "output_logits") if getattr(config, f, False)]
-    never_per_row = (MaxLengthCriteria, MaxTimeCriteria, StepClock)  # they stop every row together, or never
-    per_row = [c for c in criteria or () if not isinstance(c, never_per_row)]
+    per_row = per_row_criteria(criteria)
     if asked and config.return_dict_in_generate and batch > 1 and (eos_token_ids(config.eos_token_id) or per_row):
         raise IncompatibleOptionsError(
             f"speculative generation cannot return {' / '.join(asked)} for a batch of {batch} rows that may finish "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..core.errors import IncompatibleOptionsError
+from ..core.metrics import StepClock
 from ..core.protocols import RowRollback
 from ..core.registry import rope_entries
 from ..core.tokens import TokenBuffer
@@ -25,6 +26,7 @@ __all__ = [
     "check_left_padding",
     "finished_rows_go_on",
     "length_following_rope",
+    "per_row_criteria",
     "rope_refusal",
     "row_independent",
     "scoreless",
@@ -183,18 +185,20 @@ def scoreless(criterion: Any) -> bool:
     return type(criterion) in _scoreless_criteria() or getattr(criterion, "reads_scores", True) is False
 
 
+def per_row_criteria(criteria: Any) -> list[Any]:
+    """The stopping criteria that may finish rows at different steps: all but length and time (and hf_accel's step
+    clock), which stop every row together or never."""
+    from transformers import MaxLengthCriteria, MaxTimeCriteria
+
+    return [c for c in criteria or () if not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria, StepClock))]
+
+
 def finished_rows_go_on(criteria: Any) -> bool:
     """Whether Transformers' decoding goes on generating a row that a stopping criterion among ``criteria`` finished
     (a stop string, a caller's criterion): it pads finished rows only where an EOS criterion is among them, and
-    otherwise keeps every row's real tokens until all rows have finished. Length and time stop every row together.
-    Speculative generation stops computing a finished row, so a batch's outputs would differ."""
-    from transformers import MaxLengthCriteria, MaxTimeCriteria
-
-    from ..core.metrics import StepClock
-
-    criteria = list(criteria or ())
-    per_row = [c for c in criteria if not isinstance(c, (MaxLengthCriteria, MaxTimeCriteria, StepClock))]
-    return bool(per_row) and not any(hasattr(c, "eos_token_id") for c in criteria)
+    otherwise keeps every row's real tokens until all rows have finished. Speculative generation stops computing a
+    finished row, so a batch's outputs would differ."""
+    return bool(per_row_criteria(criteria)) and not any(hasattr(c, "eos_token_id") for c in criteria or ())
 
 
 def length_following_rope(config: Any) -> list[tuple[str, int]]:
