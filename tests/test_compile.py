@@ -184,8 +184,17 @@ def test_compiled_fused_mlp_matches_original(arch, backend):
 # ---------------------------------------------------------------- (c) model level
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_greedy_identical_every_architecture(tiny, arch, backend):
+#: Inductor compiles the whole decode step of one architecture of each attention form (the eager-backend trace runs
+#: for every architecture): Llama's, soft-capped sliding layers, fused q/k/v, q/k norms, NoPE layers, parallel
+#: attention and MLP with NoPE full layers, a partial interleaved rotary embedding
+STEP_FORMS = ["llama", "gemma2", "phi3", "qwen3", "smollm3", "cohere2", "glm4"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"), [(a, "eager") for a in ARCHS] + [(a, "inductor") for a in STEP_FORMS if a in ARCHS]
+)
+def test_greedy_identical_every_architecture(arch, backend):
+    tiny = tiny_model(arch)
     ids, mask = random_batch(3, [4, 9, 12], seed=5)
     expected = tiny.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     before = logits_of(tiny, ids, mask)
