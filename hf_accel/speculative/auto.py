@@ -14,7 +14,7 @@ from ..core.call import GenerateCall, eos_token_ids
 from ..core.errors import IncompatibleOptionsError
 from ..core.protocols import RowRollback
 from ..native.apply import NativeForward
-from .rows import check_left_padding, finished_rows_go_on, rope_refusal
+from .rows import check_left_padding, per_row_criteria, rope_refusal
 
 __all__ = ["AUTO_NOTE", "auto_refusal", "memory_refusal"]
 
@@ -72,13 +72,8 @@ def _stop_refusal(model: nn.Module, call: GenerateCall) -> str | None:
     rows = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
     rows *= int(_option(call, model, "num_return_sequences", 1))
     given = list(call.kwargs.get("stopping_criteria") or ())
-    if (
-        rows < 2
-        or eos_token_ids(_option(call, model, "eos_token_id", None))
-        or not (_option(call, model, "stop_strings", None) or finished_rows_go_on(given))
-    ):
-        return None
-    if any(hasattr(c, "eos_token_id") for c in given):  # the caller's own EOS criterion pads finished rows
+    eos = eos_token_ids(_option(call, model, "eos_token_id", None)) or any(hasattr(c, "eos_token_id") for c in given)
+    if rows < 2 or eos or not (_option(call, model, "stop_strings", None) or per_row_criteria(given)):
         return None
     return "stop strings or a stopping criterion in a batch without an EOS token (a finished row goes on there)"
 
