@@ -258,12 +258,14 @@ async def _events(
     loop = asyncio.get_running_loop()
     pumps = [asyncio.ensure_future(run_in_threadpool(_pump, server, loop, queue, i, r)) for i, r in enumerate(rids)]
     pending: list[list[TokenLogprob]] = [[] for _ in rids]  # entries of tokens not yet in a chunk
+    asked = lambda entries: _logprobs(server, entries, chat) if options.logprobs is not None else None  # noqa: E731
     try:
         for i in range(len(rids) if chat else 0):
             yield _chunk(server, name, chat, None, None, first=True, index=i)
-        for i in range(len(rids) if echo else 0):  # completions' echo: the prompt first
-            lp = _logprobs(server, echo.entries, chat) if options.logprobs is not None else None  # type: ignore[union-attr]
-            yield _chunk(server, name, chat, echo.text, None, first=False, index=i, logprobs=lp)  # type: ignore[union-attr]
+        if echo is not None:  # completions' echo: the prompt first, in every choice
+            lp = asked(echo.entries)
+            for i in range(len(rids)):
+                yield _chunk(server, name, chat, echo.text, None, first=False, index=i, logprobs=lp)
         running = len(rids)
         while running:
             i, token, entry, error = await queue.get()
@@ -271,7 +273,7 @@ async def _events(
                 pending[i] += [entry] if entry is not None else []
                 piece = tails[i].feed([token])
                 if piece:
-                    lp = _logprobs(server, pending[i], chat) if options.logprobs is not None else None
+                    lp = asked(pending[i])
                     pending[i] = []
                     yield _chunk(server, name, chat, piece, None, first=False, index=i, logprobs=lp)
                 continue
@@ -284,7 +286,7 @@ async def _events(
                 failure = exc if isinstance(exc, RequestError) else RequestError(f"generation failed: {exc}", None, 500)
                 yield f"data: {json.dumps(failure.body())}\n\n"
                 return
-            lp = _logprobs(server, pending[i], chat) if options.logprobs is not None else None
+            lp = asked(pending[i])
             yield _chunk(server, name, chat, rest, finish, first=False, index=i, logprobs=lp)
         if options.include_usage:  # OpenAI's stream_options: a last chunk with no choices and the usage
             kind = "chat.completion.chunk" if chat else "text_completion"
