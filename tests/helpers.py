@@ -9,9 +9,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from hf_accel.core.config import SpeculativeConfig
-from hf_accel.core.registry import supported_model_types
+from hf_accel.core.registry import ARCHITECTURES, supported_model_types
 
-ARCHS = supported_model_types()
+#: every registered architecture with mixtures of experts (tests/test_moe.py runs each through every feature)
+MOE_ARCHS = [mt for mt in supported_model_types() if ARCHITECTURES[mt].experts is not None]
+#: the MoE architectures the whole per-architecture matrix also runs: one of each form (plain experts; a shared
+#: expert with its own gate; dense first layers and shared experts; a router whose linear is read directly)
+MOE_MATRIX = ["mixtral", "qwen2_moe", "glm4_moe", "hunyuan_v1_moe"]
+#: the architectures the per-architecture tests run: every dense one and ``MOE_MATRIX``
+ARCHS = [mt for mt in supported_model_types() if mt not in MOE_ARCHS or mt in MOE_MATRIX]
 VOCAB = 256
 PAD, BOS, EOS = 0, 1, 2
 
@@ -32,8 +38,12 @@ _TINY = dict(
 )
 
 
+#: 4 experts of 64 (W8A8 takes multiples of 64), 2 per token, whatever the architecture calls the counts
+_MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
 #: per-architecture settings that make two layers show what the architecture does
 _TINY_ARCH = {
+    **dict.fromkeys(MOE_ARCHS, _MOE),  # glm4_moe's, ernie4_5_moe's and exaone_moe's layer 0 stays dense
     "smollm3": dict(no_rope_layer_interval=2),  # layer 1 is a NoPE layer (the default puts one in every 4th)
     # queries scaled by position from position 8 on (Llama 4's attention scaling; from 16,384 by default)
     "ministral3": dict(
@@ -246,3 +256,17 @@ def identical_prefixes(reference: list[torch.Tensor], got: list[torch.Tensor]) -
         int((a[0, : b.shape[1]] == b[0, : a.shape[1]]).int().cumprod(0).sum())
         for a, b in zip(reference, got, strict=True)
     ]
+
+
+def router_linears(model: PreTrainedModel) -> list[torch.nn.Linear]:
+    """The ``nn.Linear`` modules inside a MoE model's routers (HunYuan's ``mlp.gate.wg``): every feature leaves them
+    as they are (the router's scores pick the experts)."""
+    spec = ARCHITECTURES[model.config.model_type]
+    if spec.experts is None:
+        return []
+    found = []
+    for layer in model.model.layers:
+        router = getattr(getattr(layer, spec.mlp), spec.router, None)
+        if router is not None:
+            found += [m for m in router.modules() if type(m) is torch.nn.Linear]
+    return found

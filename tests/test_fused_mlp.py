@@ -6,21 +6,34 @@ from helpers import assert_close, tiny_model
 
 import hf_accel
 from hf_accel import FusedGatedMLP
+from hf_accel.core.registry import resolve
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (4, 37)])
 def test_fused_mlp_matches_original_module(arch, shape):
     model = tiny_model(arch)
-    original = model.model.layers[0].mlp
+    index = _first_dense(model)
+    if index is None:  # every layer a mixture of experts: left to Transformers' experts implementation
+        blocks = [layer.mlp for layer in model.model.layers]
+        hf_accel.patch_model(model)
+        assert [layer.mlp for layer in model.model.layers] == blocks
+        return
+    original = model.model.layers[index].mlp
     hidden = model.config.hidden_size
     x = torch.randn(*shape, hidden, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = original(x)
         hf_accel.patch_model(model)
-        fused = model.model.layers[0].mlp
+        fused = model.model.layers[index].mlp
         assert isinstance(fused, FusedGatedMLP)
         got = fused(x)
     assert_close(got, expected, atol=1e-5, rtol=1e-4, name=f"{arch} {shape}")  # fp32, issue-5 tolerance
+
+
+def _first_dense(model) -> int | None:
+    """The index of the first decoder layer with a dense MLP (``None``: every layer is a mixture of experts)."""
+    moe = resolve(model).moe_layers
+    return next((i for i in range(len(model.model.layers)) if i not in moe), None)
 
 
 def test_fused_mlp_with_bias():
@@ -44,7 +57,12 @@ def test_fuse_weights_rejects_mismatched_projections():
 def test_from_module_every_architecture(arch, shape):
     """``FusedGatedMLP.from_module`` recognises each registry architecture's MLP without being told which."""
     model = tiny_model(arch)
-    mlp = model.model.layers[0].mlp
+    index = _first_dense(model)
+    if index is None:  # a mixture of experts is not a gated MLP, and from_module says so
+        with pytest.raises(TypeError, match=r"SparseMoeBlock|Moe is not a gated MLP hf_accel knows"):
+            FusedGatedMLP.from_module(model.model.layers[0].mlp)
+        return
+    mlp = model.model.layers[index].mlp
     x = torch.randn(*shape, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = mlp(x)

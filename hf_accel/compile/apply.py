@@ -216,7 +216,8 @@ def _compile_paged_decode(model: nn.Module, parts: ModelParts, config: CompileCo
         recorder.note(FEATURE, "paged decode step not compiled (the model is dispatched over devices or sharded)")
         return
     define_paged_op()
-    slots = layer_slots(model, [(p.layer, p.attention, p.index) for p in parts]) if config.regional else ()
+    layers = [(p.layer, p.attention, p.index, p.experts is not None) for p in parts]
+    slots = layer_slots(model, layers) if config.regional else ()
     step = CompiledPagedDecode(model, config, slots)
     note = "paged decode step compiled (one-token steps and verification chunks)"
     recorder.set_instance_attr(FEATURE, model, "forward", step, note)

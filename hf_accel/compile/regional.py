@@ -5,7 +5,8 @@ spends ~96 s compiling on a 2-core CPU (docs/compile.md). The layers of a model 
 same shapes, so one graph can serve them all. The regional step runs the model's ``forward`` eagerly (embedding,
 rotary tables, final norm, LM head) and each decoder layer through one compiled copy of its class's ``forward`` per
 *kind* of layer (``config.layer_types``: full or sliding attention; SmolLM3's layers without a rotary embedding are
-a kind of their own; one kind for most models). Dynamo inlines the
+a kind of their own, and so are the mixture-of-experts layers of a model with dense ones; one kind for most
+models). Dynamo inlines the
 layer's submodules and takes their weights as graph inputs, so the graph does not depend on which layer runs it; the
 layer gets only its own pools (:class:`~hf_accel.paged.step_op.DecodePlan` with one pool instead of every layer's),
 so it never reads its index.
@@ -38,17 +39,18 @@ class LayerSlot(NamedTuple):
     kind: str
 
 
-def layer_slots(model: nn.Module, layers: list[tuple[nn.Module, nn.Module, int]]) -> tuple[LayerSlot, ...]:
-    """``(decoder layer, attention module, position)`` of every layer -> its :class:`LayerSlot` (the pool index is the
-    attention's ``layer_idx``, as the cache's; the kind is ``config.layer_types[i]`` where the config has them, and
-    whether the attention rotates (a graph guards on SmolLM3's per-layer ``use_rope``))."""
+def layer_slots(model: nn.Module, layers: list[tuple[nn.Module, nn.Module, int, bool]]) -> tuple[LayerSlot, ...]:
+    """``(decoder layer, attention module, position, mixture of experts?)`` of every layer -> its :class:`LayerSlot`
+    (the pool index is the attention's ``layer_idx``, as the cache's; the kind is ``config.layer_types[i]`` where the
+    config has them, whether the attention rotates (a graph guards on SmolLM3's per-layer ``use_rope``) and whether
+    the MLP is a mixture of experts (GLM-4.5's dense first layers run other modules than its MoE layers))."""
     types_ = getattr(getattr(model, "config", None), "layer_types", None)
     slots = []
-    for layer, attention, position in layers:
+    for layer, attention, position, moe in layers:
         pool = getattr(attention, "layer_idx", position)
         kind = str(types_[pool]) if types_ is not None and pool < len(types_) else "layer"
         rope = "" if getattr(attention, "use_rope", True) else ":no-rope"
-        slots.append(LayerSlot(layer, pool, f"{type(layer).__name__}:{kind}{rope}"))
+        slots.append(LayerSlot(layer, pool, f"{type(layer).__name__}:{kind}{rope}{':moe' if moe else ''}"))
     return tuple(slots)
 
 

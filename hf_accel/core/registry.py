@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
@@ -49,6 +50,11 @@ class ArchSpec:
         act_config_keys: config attributes naming the MLP activation, first one present wins.
         lm_head: path from the model to the output projection.
         embed_tokens: path from the model to the input embedding.
+        experts: path from the MLP to its experts module (Transformers' 3-D ``gate_up_proj`` / ``down_proj``
+            parameters) on mixture-of-experts layers; ``None`` for dense-only architectures. A layer whose MLP has it
+            is a MoE layer: its router and experts are not checked against the dense projection paths.
+        router: path from a MoE layer's MLP to its router. Its linears stay as they are (never quantized, packed
+            or swapped): the router's scores pick the experts, and some routers read their linear's weight directly.
     """
 
     model_type: str
@@ -65,9 +71,24 @@ class ArchSpec:
     act_config_keys: tuple[str, ...] = ("hidden_act",)
     lm_head: str = "lm_head"
     embed_tokens: str = "model.embed_tokens"
+    experts: str | None = None
+    router: str = "gate"
 
 
 _GEMMA_ACT = ("hidden_activation", "hidden_act")
+#: mixture-of-experts architectures with Llama's attention whose router is ``mlp.gate``
+_MOE_GATE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "flex_olmo",
+    "glm4_moe",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "cohere2_moe",
+    "exaone_moe",
+)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
@@ -105,6 +126,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             gate_up_proj="gate_up_proj",
             act_fn="activation_fn",
         ),
+        # mixtures of experts: Transformers' experts implementation runs the MoE layers, hf_accel the rest
+        *(ArchSpec(mt, experts="experts") for mt in _MOE_GATE),
+        ArchSpec("phimoe", experts="experts", router="router"),
+        ArchSpec("granitemoe", mlp="block_sparse_moe", experts="experts", router="router"),
         ArchSpec(
             "glm4",
             gate_proj=None,
@@ -142,6 +167,8 @@ class LayerParts:
     mlp: nn.Module
     mlp_path: str
     activation: str
+    #: the experts module of a mixture-of-experts layer (``None``: a dense MLP)
+    experts: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +180,11 @@ class ModelParts:
 
     def __iter__(self) -> Iterator[LayerParts]:
         return iter(self.layers)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose MLP is a mixture of experts."""
+        return tuple(layer.index for layer in self.layers if layer.experts is not None)
 
 
 def get_attr_path(root: nn.Module, path: str) -> nn.Module:
@@ -166,15 +198,28 @@ def get_attr_path(root: nn.Module, path: str) -> nn.Module:
 def decoder_linears(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Linear]]:
     """``(name, module)`` of every plain ``nn.Linear`` inside the decoder layers (a fused MLP's ``gate_up_proj``
     included), plus the LM head; none inside an adapter-wrapped projection (PEFT's layers keep a ``base_layer`` and
-    read their own linears' weights, so swapping or packing them would break the adapter)."""
+    read their own linears' weights, so swapping or packing them would break the adapter), none inside a MoE
+    layer's router (``spec.router``)."""
     prefix, head = f"{spec.layers}.", spec.lm_head
     modules = list(model.named_modules())
     wrapped = {name for name, module in modules if isinstance(getattr(module, "base_layer", None), nn.Module)}
+    kept = wrapped | _routers(model, spec)
     return [
         (name, module)
         for name, module in modules
-        if type(module) is nn.Linear and (name.startswith(prefix) or name == head) and not _inside(name, wrapped)
+        if type(module) is nn.Linear
+        and (name.startswith(prefix) or name == head)
+        and name not in kept
+        and not _inside(name, kept)
     ]
+
+
+def _routers(model: nn.Module, spec: ArchSpec) -> set[str]:
+    """Module names of the MoE routers (``model.layers.3.mlp.gate``; HunYuan's reads ``gate.wg.weight`` itself)."""
+    if spec.experts is None:
+        return set()
+    layers = get_attr_path(model, spec.layers)
+    return {f"{spec.layers}.{i}.{spec.mlp}.{spec.router}" for i in range(len(layers))}
 
 
 def _inside(name: str, wrapped: set[str]) -> bool:
@@ -267,6 +312,25 @@ def _activation(model: nn.Module, spec: ArchSpec) -> str:
     )
 
 
+def _experts(mlp: nn.Module, spec: ArchSpec) -> nn.Module | None:
+    """The experts module of a MoE layer's ``mlp``, or ``None`` for a dense MLP."""
+    if spec.experts is None:
+        return None
+    try:
+        experts = get_attr_path(mlp, spec.experts)
+    except AttributeError:
+        return None  # a dense layer of a MoE model (Qwen3-MoE's ``mlp_only_layers``, GLM-4.5's first layers)
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise UnsupportedModelError(
+                spec.model_type,
+                ARCHITECTURES,
+                reason=f"{type(experts).__name__}.{name} is not a 3-D [experts, out, in] weight",
+            )
+    return experts
+
+
 def resolve(model: nn.Module) -> ModelParts:
     """Check ``model`` against its spec and locate every layer's attention and MLP.
 
@@ -294,9 +358,9 @@ def resolve(model: nn.Module) -> ModelParts:
         mlp = _find(layer, spec.mlp, path, spec)
         for proj in attn_proj:
             _find(attention, proj, f"{path}.{spec.attention}", spec)
-        for proj in mlp_proj:
+        experts = _experts(mlp, spec)
+        for proj in mlp_proj if experts is None else ():
             _find(mlp, proj, f"{path}.{spec.mlp}", spec)
-        parts.append(
-            LayerParts(i, path, layer, attention, f"{path}.{spec.attention}", mlp, f"{path}.{spec.mlp}", activation)
-        )
+        attention_path, mlp_path = f"{path}.{spec.attention}", f"{path}.{spec.mlp}"
+        parts.append(LayerParts(i, path, layer, attention, attention_path, mlp, mlp_path, activation, experts))
     return ModelParts(spec, tuple(parts))

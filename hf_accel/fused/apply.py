@@ -28,6 +28,7 @@ __all__ = ["apply_fused_mlp", "bind_fused_mlp"]
 
 logger = logging.getLogger(__name__)
 FEATURE = "fused_mlp"
+MOE_NOTE = "MLP left as is (a mixture of experts; Transformers' experts implementation runs it)"
 
 
 def _fuse_one(mlp: nn.Module, spec: ArchSpec, recorder: Recorder) -> FusedGatedMLP:
@@ -101,6 +102,9 @@ def apply_fused_mlp(model: nn.Module, parts: ModelParts, config: FusedMLPConfig,
     del config  # the spec and the located layers carry everything needed
     spec = parts.spec
     for layer in parts:
+        if layer.experts is not None:  # Transformers' experts forward runs a mixture of experts, and it is said so
+            recorder.note(FEATURE, MOE_NOTE)
+            continue
         projections = [get_attr_path(layer.mlp, p) for p in (spec.gate_proj, spec.up_proj, spec.gate_up_proj) if p]
         if any(type(p) is not nn.Linear for p in projections):  # e.g. already int8: left as it is, and said so
             recorder.note(FEATURE, "MLP left unfused (projections are not nn.Linear)")

@@ -160,8 +160,26 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
     warn_lossy_unpatch(recorder, config.keep_original)  # recorded first: undone last
     quantize_linears(model, parts.spec, config, recorder, backend)
+    _note_float_experts(parts, recorder)
     bind_model_apis(model, recorder, backend)
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
+
+
+def _note_float_experts(parts: ModelParts, recorder: Recorder) -> None:
+    """Say (and warn) that a mixture of experts keeps its experts' weights, most of such a model, in float: they are
+    Transformers' 3-D parameters, not linears, and int8 swaps linears only."""
+    experts = [layer.experts for layer in parts if layer.experts is not None]
+    if not experts:
+        return
+    weights = [p for module in experts for p in module.parameters()]
+    recorder.note(FEATURE, "experts left in float (int8 covers attention, dense MLPs, shared experts and the LM head)")
+    logger.warning(
+        "hf_accel: int8: the experts of %d mixture-of-experts layers stay in %s (%.1fM weights): int8 swaps the "
+        "linears of attention, dense MLPs, shared experts and the LM head; routers stay in float too",
+        len(experts),
+        weights[0].dtype,
+        sum(p.numel() for p in weights) / 1e6,
+    )
 
 
 def quantize_linears(

@@ -1,0 +1,175 @@
+"""Mixture-of-experts architectures: the registry's MoE layers and routers (exact state), and every feature
+greedy-identical to the unpatched model on every registered MoE architecture (the per-architecture tests elsewhere
+run ``MOE_MATRIX``, one architecture of each MoE form)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from helpers import EOS, MOE_ARCHS, MOE_MATRIX, generate_in_threads, random_batch, tiny_model
+from torch import nn
+
+import hf_accel
+from hf_accel import CompileConfig, Engine, PagedConfig
+from hf_accel.core.registry import ARCHITECTURES, decoder_linears, get_attr_path, resolve
+from hf_accel.fused import FusedGatedMLP
+from hf_accel.quant import Int8Linear
+from hf_accel.speculative import SelfSpeculative
+
+#: the layers of the 2-layer tiny models whose MLP is a mixture of experts (the rest keep a dense first layer)
+DENSE_FIRST = {"glm4_moe", "ernie4_5_moe", "exaone_moe"}
+
+
+def moe_layers(arch: str) -> tuple[int, ...]:
+    return (1,) if arch in DENSE_FIRST else (0, 1)
+
+
+def test_every_moe_architecture_is_listed_and_the_matrix_holds_each_form():
+    assert set(MOE_MATRIX) <= set(MOE_ARCHS)
+    assert set(MOE_ARCHS) == {
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe",
+        "cohere2_moe", "exaone_moe", "phimoe", "granitemoe",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_resolve_finds_each_moe_layer_and_its_experts(arch):
+    model = tiny_model(arch)
+    parts = resolve(model)
+    spec = ARCHITECTURES[arch]
+    assert parts.moe_layers == moe_layers(arch)
+    for layer in parts:
+        if layer.index in parts.moe_layers:
+            assert layer.experts is get_attr_path(layer.mlp, spec.experts)
+            assert layer.experts.gate_up_proj.dim() == 3 and layer.experts.down_proj.dim() == 3
+        else:  # a dense first layer: checked against the dense projection paths like any dense model's
+            assert layer.experts is None and isinstance(get_attr_path(layer.mlp, spec.down_proj), nn.Linear)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routers_are_never_among_the_linears_features_swap(arch):
+    model = tiny_model(arch)
+    spec = ARCHITECTURES[arch]
+    names = [name for name, _ in decoder_linears(model, spec)]
+    routers = [f"{spec.layers}.{i}.{spec.mlp}.{spec.router}" for i in moe_layers(arch)]
+    for router in routers:
+        get_attr_path(model, router)  # the spec's router path exists on every MoE layer
+        assert not [n for n in names if n == router or n.startswith(router + ".")]
+    assert f"{spec.layers}.0.{spec.attention}.q_proj" in names and spec.lm_head in names
+    if arch == "qwen2_moe":  # the shared expert's gate is not the router: it is quantized like any linear
+        assert f"{spec.layers}.0.mlp.shared_expert_gate" in names
+
+
+def test_a_malformed_experts_module_is_refused_by_name():
+    model = tiny_model("mixtral")
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj = nn.Parameter(experts.down_proj.detach()[0])  # [out, in]: not one weight per expert
+    with pytest.raises(hf_accel.UnsupportedModelError, match=r"MixtralExperts.down_proj is not a 3-D"):
+        hf_accel.patch_model(model)
+
+
+def _generate(model, ids, mask, **kwargs) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, **kwargs)
+
+
+#: patch_model keywords and generate keywords, each compared with the unpatched model's greedy tokens
+FEATURES = {
+    "default": ({}, {}),
+    "paged": ({}, {"paged": True}),
+    "prompt lookup + paged": ({}, {"prompt_lookup": True, "paged": True}),
+    "self-speculation": ({}, {"speculative": SelfSpeculative(num_tokens=3)}),
+    "compile + paged": ({"compile": CompileConfig(backend="eager")}, {"paged": True}),
+}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_every_feature_greedy_identical_on_every_moe_architecture(arch):
+    ids, mask = random_batch(3, [4, 11, 8], seed=3)
+    reference = _generate(tiny_model(arch), ids, mask)
+    for name, (patch_kwargs, call_kwargs) in FEATURES.items():
+        model = hf_accel.patch_model(tiny_model(arch), **patch_kwargs)
+        assert torch.equal(_generate(model, ids, mask, **call_kwargs), reference), f"{arch}: {name}"
+    model = hf_accel.patch_model(tiny_model(arch))
+    engine = Engine(model, max_batch_tokens=16, max_running=3, paged=PagedConfig(num_blocks=16, block_size=4))
+    prompts = [ids[row, mask[row].bool()].tolist() for row in range(3)]
+    requests = [engine.add_request(p, max_new_tokens=10, eos_token_id=EOS) for p in prompts]
+    outputs = engine.run_until_done()
+    for row, request in enumerate(requests):
+        expected = reference[row, ids.shape[1] :].tolist()
+        got = outputs[request].tokens
+        assert got == expected[: len(got)] and (len(got) == 10 or got[-1] == EOS), f"{arch}: Engine row {row}"
+
+
+@pytest.mark.parametrize("arch", MOE_MATRIX)
+def test_greedy_identical_at_the_default_initializer_range(arch):
+    """At 0.02 router scores and logits sit close together: a float-order difference would flip an expert choice."""
+    ids, mask = random_batch(4, [3, 12, 7, 10], seed=11)
+    reference = _generate(tiny_model(arch, initializer_range=0.02), ids, mask, max_length=None)
+    for _, (patch_kwargs, call_kwargs) in FEATURES.items():
+        model = hf_accel.patch_model(tiny_model(arch, initializer_range=0.02), **patch_kwargs)
+        assert torch.equal(_generate(model, ids, mask, **call_kwargs), reference)
+
+
+def test_fused_mlp_fuses_dense_layers_and_says_it_left_each_mixture_of_experts():
+    model = tiny_model("glm4_moe")
+    moe_block = model.model.layers[1].mlp
+    hf_accel.patch_model(model, fused_mlp=True)
+    assert isinstance(model.model.layers[0].mlp, FusedGatedMLP)  # the dense first layer
+    assert model.model.layers[1].mlp is moe_block
+    notes = hf_accel.patch_report(model)["changes"]["fused_mlp"]
+    assert notes["MLP left as is (a mixture of experts; Transformers' experts implementation runs it)"] == 1
+
+
+def test_int8_quantizes_the_linears_keeps_experts_and_routers_and_says_so(caplog):
+    model = tiny_model("hunyuan_v1_moe")
+    experts = copy.deepcopy(model.model.layers[0].mlp.experts.state_dict())
+    router = model.model.layers[0].mlp.gate.wg
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        hf_accel.patch_model(model, int8=True)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert model.model.layers[0].mlp.gate.wg is router and type(router) is nn.Linear
+    for name, value in model.model.layers[0].mlp.experts.state_dict().items():
+        assert torch.equal(value, experts[name])
+    notes = hf_accel.patch_report(model)["changes"]["int8"]
+    assert "experts left in float (int8 covers attention, dense MLPs, shared experts and the LM head)" in notes
+    assert "the experts of 2 mixture-of-experts layers stay in torch.float32" in caplog.text
+    ids, mask = random_batch(2, [5, 9], seed=2)
+    out = _generate(model, ids, mask)
+    assert out.shape == (2, ids.shape[1] + 10)
+    hf_accel.unpatch_model(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "granitemoe"])
+def test_int8_checkpoint_of_a_moe_model_round_trips(arch, tmp_path):
+    model = hf_accel.patch_model(tiny_model(arch), int8=True)
+    ids, mask = random_batch(2, [5, 9], seed=4)
+    expected = _generate(model, ids, mask)
+    hf_accel.save_quantized(model, tmp_path)
+    loaded = hf_accel.load_quantized(tmp_path)
+    assert isinstance(loaded.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert torch.equal(_generate(loaded, ids, mask), expected)
+
+
+def test_unpatch_restores_a_moe_model_exactly():
+    model = tiny_model("qwen2_moe")
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    hf_accel.patch_model(model, compile=CompileConfig(backend="eager"), paged=True)
+    _generate(model, *random_batch(2, [4, 6], seed=1), paged=True)
+    hf_accel.unpatch_model(model)
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(model.get_submodule(name) is module for name, module in modules.items())
+    after = model.state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_prompt_lookup_on_a_moe_model_in_threads():
+    model = hf_accel.patch_model(tiny_model("mixtral"))
+    batches = [random_batch(2, seed=s) for s in range(3)]
+    expected = [_generate(tiny_model("mixtral"), ids, mask) for ids, mask in batches]
+    got = generate_in_threads(model, batches, max_new_tokens=10, do_sample=False, prompt_lookup=True)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
