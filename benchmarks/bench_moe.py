@@ -58,7 +58,8 @@ def build(arch: str, vocab: int, tokenizer) -> torch.nn.Module:
 def step_costs(model: torch.nn.Module, context: int = 128, chunks: tuple[int, ...] = (1, 2, 4, 8)) -> str:
     """Milliseconds of one forward of ``k`` new tokens after a ``context``-token prompt (Transformers' cache, plain
     model), median of 5: what a k-token verification costs against a one-token step."""
-    ids = torch.randint(10, model.config.vocab_size, (1, context + max(chunks)), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, model.config.vocab_size, (1, context + max(chunks)), generator=gen)
     rows, base = [], None
     for k in chunks:
         times = []
