@@ -190,8 +190,9 @@ def test_compiled_fused_mlp_matches_original(arch, backend):
 
 #: Inductor compiles the whole decode step of one architecture of each attention form (the eager-backend trace runs
 #: for every architecture): Llama's, soft-capped sliding layers, fused q/k/v, q/k norms, NoPE layers, parallel
-#: attention and MLP with NoPE full layers, a partial interleaved rotary embedding
-STEP_FORMS = ["llama", "gemma2", "phi3", "qwen3", "smollm3", "cohere2", "glm4"]
+#: attention and MLP with NoPE full layers, a partial interleaved rotary embedding, a dense layer then a mixture of
+#: experts (Transformers' grouped-matmul experts inside the compiled step)
+STEP_FORMS = ["llama", "gemma2", "phi3", "qwen3", "smollm3", "cohere2", "glm4", "glm4_moe"]
 
 
 @pytest.mark.parametrize(
