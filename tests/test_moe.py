@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, PagedConfig
-from hf_accel.core.registry import ARCHITECTURES, decoder_linears, get_attr_path, resolve
+from hf_accel.core.registry import ARCHITECTURES, decoder_linears, experts_modules, get_attr_path, resolve
 from hf_accel.fused import FusedGatedMLP
 from hf_accel.quant import Int8Linear
 from hf_accel.speculative import SelfSpeculative
@@ -173,3 +173,24 @@ def test_prompt_lookup_on_a_moe_model_in_threads():
     expected = [_generate(tiny_model("mixtral"), ids, mask) for ids, mask in batches]
     got = generate_in_threads(model, batches, max_new_tokens=10, do_sample=False, prompt_lookup=True)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("weights", ["int8", None, torch.bfloat16])
+def test_a_self_speculative_draft_shares_the_experts_instead_of_copying_them(weights):
+    """The experts are most of a MoE model's bytes and no draft form changes them (int8 leaves them float); a dtype
+    draft converts its weights, so it copies them, and the target's stay as they were."""
+    model = hf_accel.patch_model(tiny_model("glm4_moe", num_hidden_layers=3))  # layer 0 dense, 1 and 2 MoE
+    spec = ARCHITECTURES["glm4_moe"]
+    layers = [0, 2] if weights is None else None
+    draft = SelfSpeculative.build(model, weights, layers)
+    mine, theirs = experts_modules(draft, spec), experts_modules(model, spec)
+    assert len(mine) == (1 if weights is None else 2) and len(theirs) == 2
+    kept = theirs[-len(mine) :]  # layers=[0, 2] keeps layer 2's experts
+    for own, target in zip(mine, kept, strict=True):
+        for name, param in own.named_parameters():
+            target_param = getattr(target, name)
+            if isinstance(weights, torch.dtype):
+                assert param is not target_param and param.dtype == weights and target_param.dtype == torch.float32
+            else:
+                assert param is target_param
+    assert draft.model.layers[0].self_attn is not model.model.layers[0].self_attn  # the rest is the draft's own

@@ -25,6 +25,7 @@ __all__ = [
     "LayerParts",
     "ModelParts",
     "decoder_linears",
+    "experts_modules",
     "get_spec",
     "resolve",
     "rope_entries",
@@ -212,6 +213,20 @@ def decoder_linears(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Line
         and name not in kept
         and not _inside(name, kept)
     ]
+
+
+def experts_modules(model: nn.Module, spec: ArchSpec) -> list[nn.Module]:
+    """The experts module of every mixture-of-experts layer of ``model`` (patched or not: no feature replaces them;
+    empty for a dense architecture)."""
+    if spec.experts is None:
+        return []
+    found = []
+    for layer in get_attr_path(model, spec.layers):
+        try:
+            found.append(get_attr_path(get_attr_path(layer, spec.mlp), spec.experts))
+        except AttributeError:
+            continue  # a dense layer
+    return found
 
 
 def _routers(model: nn.Module, spec: ArchSpec) -> set[str]:

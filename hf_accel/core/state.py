@@ -8,7 +8,7 @@ features never import the top-level ``patch`` module.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,18 +72,21 @@ def get_state(model: nn.Module) -> PatchState | None:
     return getattr(model, "__dict__", {}).get(STATE_ATTR)  # anything that is not a module: not patched
 
 
-def plain_copy(model: nn.Module) -> nn.Module:
+def plain_copy(model: nn.Module, share: Iterable[nn.Parameter] = ()) -> nn.Module:
     """A deep copy of ``model`` that runs without hf_accel: each enabled feature's :attr:`Feature.plain` undoes its
     instance-level changes on the copy. The original is not touched; an unpatched model is simply deep-copied.
 
     What the patch attached to the instance (its state, the bound ``generate``, a compiled ``forward``...) is not
-    copied at all, so kept caches, engines and drafts never are.
+    copied at all, so kept caches, engines and drafts never are. The parameters in ``share`` are not copied either:
+    the copy holds the very same ``Parameter`` objects (for weights no feature changes and the copy only reads; a
+    ``.to()`` of the copy would convert them in the original too).
     """
     state = get_state(model)
+    shared: dict[int, Any] = {id(p): p for p in share}
     if state is None:
-        return copy.deepcopy(model)
+        return copy.deepcopy(model, shared)
     names = [name for name in state.recorder.instance_attrs(model) if name in model.__dict__]
-    memo: dict[int, Any] = {id(state): None}
+    memo: dict[int, Any] = {id(state): None, **shared}
     for name in names:
         memo[id(model.__dict__[name])] = None  # deepcopy returns None for these objects instead of copying them
     clone = copy.deepcopy(model, memo)

@@ -19,7 +19,7 @@ from ..core.dispatch import is_offloaded, is_sharded, model_dtype
 from ..core.errors import IncompatibleOptionsError
 from ..core.fingerprint import tensor_version
 from ..core.recorder import Recorder
-from ..core.registry import get_spec, parent_and_name
+from ..core.registry import experts_modules, get_spec, parent_and_name
 from ..core.state import plain_copy
 from ..native.growing import to_growing
 from ..quant.apply import quantize_linears
@@ -206,7 +206,10 @@ class SelfSpeculative(DraftModel):
                 "self-speculation copies the model's weights, but this model's are offloaded by accelerate or "
                 "sharded by tensor parallelism; speculate with prompt_lookup=True or a separate draft_model"
             )
-        draft = plain_copy(target)  # every feature's instance changes undone on the copy; the target untouched
+        # every feature's instance changes undone on the copy, the target untouched; a mixture of experts' experts
+        # (no feature changes them, and int8 leaves them float) are shared, not copied: most of such a model's bytes
+        experts = experts_modules(target, get_spec(target)) if not isinstance(weights, torch.dtype) else []
+        draft = plain_copy(target, share=[p for module in experts for p in module.parameters()])
         if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
             raise IncompatibleOptionsError(
                 "SelfSpeculative(weights=None) keeps every decoder layer: the draft would be the target itself; "
