@@ -220,13 +220,8 @@ def experts_modules(model: nn.Module, spec: ArchSpec) -> list[nn.Module]:
     empty for a dense architecture)."""
     if spec.experts is None:
         return []
-    found = []
-    for layer in get_attr_path(model, spec.layers):
-        try:
-            found.append(get_attr_path(get_attr_path(layer, spec.mlp), spec.experts))
-        except AttributeError:
-            continue  # a dense layer
-    return found
+    found = (_experts(get_attr_path(layer, spec.mlp), spec) for layer in get_attr_path(model, spec.layers))
+    return [experts for experts in found if experts is not None]
 
 
 def _routers(model: nn.Module, spec: ArchSpec) -> set[str]:
