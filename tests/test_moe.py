@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from helpers import EOS, MOE_ARCHS, MOE_MATRIX, generate_in_threads, random_batch, tiny_model
+from helpers import EOS, MOE_ARCHS, MOE_MATRIX, assert_close, generate_in_threads, random_batch, tiny_model
 from torch import nn
 
 import hf_accel
@@ -17,6 +17,8 @@ from hf_accel import CompileConfig, Engine, PagedConfig
 from hf_accel.core.registry import ARCHITECTURES, decoder_linears, experts_modules, get_attr_path, resolve
 from hf_accel.fused import FusedGatedMLP
 from hf_accel.quant import Int8Linear
+from hf_accel.quant.core import dequantize
+from hf_accel.quant.experts import Int8Experts
 from hf_accel.speculative import SelfSpeculative
 
 #: the layers of the 2-layer tiny models whose MLP is a mixture of experts (the rest keep a dense first layer)
@@ -143,7 +145,7 @@ def test_int8_quantizes_the_linears_keeps_experts_and_routers_and_says_so(caplog
     assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])  # a gated shared expert; the router under "router"
 def test_int8_checkpoint_of_a_moe_model_round_trips(arch, tmp_path):
     model = hf_accel.patch_model(tiny_model(arch), int8=True)
     ids, mask = random_batch(2, [5, 9], seed=4)
@@ -176,21 +178,60 @@ def test_prompt_lookup_on_a_moe_model_in_threads():
 
 
 @pytest.mark.parametrize("weights", ["int8", None, torch.bfloat16])
-def test_a_self_speculative_draft_shares_the_experts_instead_of_copying_them(weights):
-    """The experts are most of a MoE model's bytes and no draft form changes them (int8 leaves them float); a dtype
-    draft converts its weights, so it copies them, and the target's stay as they were."""
+def test_a_self_speculative_draft_never_copies_the_float_experts(weights):
+    """The experts are most of a MoE model's bytes: a layer-cut draft shares the target's, an int8 draft builds int8
+    experts of its own from them; a dtype draft converts a copy, and the target's stay as they were."""
     model = hf_accel.patch_model(tiny_model("glm4_moe", num_hidden_layers=3))  # layer 0 dense, 1 and 2 MoE
     spec = ARCHITECTURES["glm4_moe"]
     layers = [0, 2] if weights is None else None
     draft = SelfSpeculative.build(model, weights, layers)
-    mine, theirs = experts_modules(draft, spec), experts_modules(model, spec)
+    theirs = experts_modules(model, spec)
+    mine = [layer.mlp.experts for layer in draft.model.layers if hasattr(layer.mlp, "experts")]
     assert len(mine) == (1 if weights is None else 2) and len(theirs) == 2
-    kept = theirs[-len(mine) :]  # layers=[0, 2] keeps layer 2's experts
-    for own, target in zip(mine, kept, strict=True):
+    for own, target in zip(mine, theirs[-len(mine) :], strict=True):  # layers=[0, 2] keeps layer 2's experts
+        if weights == "int8":
+            assert isinstance(own, Int8Experts) and own.gate_up[0].qweight.dtype == torch.int8
+            continue
         for name, param in own.named_parameters():
             target_param = getattr(target, name)
             if isinstance(weights, torch.dtype):
                 assert param is not target_param and param.dtype == weights and target_param.dtype == torch.float32
             else:
                 assert param is target_param
+    assert all(p.dtype == torch.float32 for module in theirs for p in module.parameters())
     assert draft.model.layers[0].self_attn is not model.model.layers[0].self_attn  # the rest is the draft's own
+
+
+def _routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    weights, index = scores.topk(k, dim=-1)  # [T, k] each: distinct experts per token
+    return index, weights / weights.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])  # a decode row (the kernel), a verification chunk, a prompt
+def test_int8_experts_equal_the_experts_module_on_their_own_dequantized_weights(tokens):
+    experts = tiny_model("mixtral").model.layers[0].mlp.experts
+    int8 = Int8Experts(experts)
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=gen)
+    index, weights = _routing(tokens, int8.num_experts, 2, seed=tokens)
+    reference = copy.deepcopy(experts)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(torch.stack([dequantize(m.quantized, torch.float32) for m in int8.gate_up]))
+        reference.down_proj.copy_(torch.stack([dequantize(m.quantized, torch.float32) for m in int8.down]))
+        got, want, original = (
+            int8(hidden, index, weights),
+            reference(hidden, index, weights),
+            experts(hidden, index, weights),
+        )
+    assert_close(got, want, atol=1e-5, rtol=1e-4, name=f"int8 experts, {tokens} tokens")  # fp32 sums, other order
+    # against the float weights: the int8 rounding only (a relative error of a few per cent on random weights)
+    assert ((got - original).norm() / original.norm()).item() < 0.05
+
+
+def test_int8_experts_refuse_a_layout_they_do_not_read():
+    experts = tiny_model("mixtral").model.layers[0].mlp.experts
+    experts.is_transposed = True
+    with pytest.raises(TypeError, match=r"MixtralExperts stores its experts as .*'is_transposed': True"):
+        Int8Experts(experts)

@@ -23,6 +23,7 @@ from ..core.registry import experts_modules, get_spec, parent_and_name
 from ..core.state import plain_copy
 from ..native.growing import to_growing
 from ..quant.apply import quantize_linears
+from ..quant.experts import quantize_experts
 from .draft import DraftModel
 from .ragged import RaggedCache
 from .strategies import Strategy
@@ -207,7 +208,8 @@ class SelfSpeculative(DraftModel):
                 "sharded by tensor parallelism; speculate with prompt_lookup=True or a separate draft_model"
             )
         # every feature's instance changes undone on the copy, the target untouched; a mixture of experts' experts
-        # (no feature changes them, and int8 leaves them float) are shared, not copied: most of such a model's bytes
+        # (no feature changes them) are shared, not copied: most of such a model's bytes. An int8 draft then builds
+        # int8 experts of its own from them (a quarter of the bytes to read), a dtype draft converts a copy.
         experts = experts_modules(target, get_spec(target)) if not isinstance(weights, torch.dtype) else []
         draft = plain_copy(target, share=[p for module in experts for p in module.parameters()])
         if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
@@ -217,6 +219,7 @@ class SelfSpeculative(DraftModel):
             )
         if weights == "int8":  # the int8 feature's own swap, on the copy (its float weights are released)
             quantize_linears(draft, get_spec(draft), Int8Config(), Recorder())
+            quantize_experts(draft, get_spec(draft))  # int8 experts of its own, read from the shared float ones
         elif weights is not None:
             draft.to(weights)
         logger.info(
