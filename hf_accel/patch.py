@@ -186,6 +186,7 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
     config = (config or _default_for(model, feature_overrides, recorder)).with_overrides(**feature_overrides)
     _check_available(config)
     state = PatchState(config=config, model_type=parts.spec.model_type, recorder=recorder, features=FEATURES)
+    _choose_experts(model, parts, recorder)
     try:
         for name in config.enabled():
             feature = FEATURES[name]
@@ -199,6 +200,22 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
         raise
     logger.info("hf_accel: patched %s with %s", type(model).__name__, ", ".join(config.enabled()) or "no features")
     return model
+
+
+def _choose_experts(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
+    """Say in ``patch_report`` what runs a mixture of experts' MoE layers: Transformers' experts implementation."""
+    if not parts.moe_layers:
+        return
+    impl = getattr(model.config, "_experts_implementation", None) or "eager"
+    recorder.choose(
+        "moe",
+        "experts",
+        f"Transformers' {impl!r} experts implementation (at patch time; model.set_experts_implementation changes it)",
+        f"{len(parts.moe_layers)} MoE layers: hf_accel has no experts kernel of its own; its features run around them",
+        {"fused gated MLP": "experts are 3-D parameters picked per token, not gate / up linears",
+         "int8": "the int8 feature swaps linears; the experts stay float (the int8 self-speculative draft quantizes "
+                 "its own)"},
+    )  # fmt: skip
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

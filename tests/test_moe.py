@@ -115,6 +115,15 @@ def test_greedy_identical_at_the_default_initializer_range(arch):
         assert torch.equal(_generate(model, ids, mask, **call_kwargs), reference)
 
 
+def test_patch_report_says_what_runs_the_experts():
+    model = hf_accel.patch_model(tiny_model("glm4_moe", num_hidden_layers=3))
+    choice = hf_accel.patch_report(model)["implementations"]["moe"]["experts"]
+    assert choice["uses"].startswith("Transformers' 'grouped_mm' experts implementation")
+    assert choice["why"].startswith("2 MoE layers: ") and set(choice["not"]) == {"fused gated MLP", "int8"}
+    dense = hf_accel.patch_model(tiny_model("llama"))
+    assert "moe" not in hf_accel.patch_report(dense)["implementations"]
+
+
 def test_fused_mlp_fuses_dense_layers_and_says_it_left_each_mixture_of_experts():
     model = tiny_model("glm4_moe")
     moe_block = model.model.layers[1].mlp
