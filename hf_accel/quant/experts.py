@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..core.registry import ArchSpec, experts_modules, get_attr_path, parent_and_name
+from ..core.registry import ArchSpec, experts_modules, parent_and_name
 from .core import quantize
 from .linear import Int8Linear
 
@@ -69,16 +69,10 @@ class Int8Experts(nn.Module):
 def quantize_experts(model: nn.Module, spec: ArchSpec) -> int:
     """Replace every MoE layer's experts module of ``model`` by an :class:`Int8Experts` (on the experts' device), in
     place and unrecorded: for a private copy such as a self-speculative draft. Returns how many were replaced."""
-    targets = set(map(id, experts_modules(model, spec)))
-    replaced = 0
-    for index in range(len(get_attr_path(model, spec.layers))):
-        path = f"{spec.layers}.{index}.{spec.mlp}.{spec.experts}"
-        try:
-            experts = get_attr_path(model, path)
-        except AttributeError:
-            continue  # a dense layer
-        if id(experts) in targets:
-            parent, name = parent_and_name(model, path)
-            setattr(parent, name, Int8Experts(experts).to(experts.gate_up_proj.device))
-            replaced += 1
-    return replaced
+    targets = {id(module) for module in experts_modules(model, spec)}
+    names = [name for name, module in model.named_modules() if id(module) in targets]
+    for name in names:  # e.g. model.layers.1.mlp.experts
+        parent, attr = parent_and_name(model, name)
+        experts = getattr(parent, attr)
+        setattr(parent, attr, Int8Experts(experts).to(experts.gate_up_proj.device))
+    return len(names)
