@@ -5,7 +5,9 @@ Layout of a checkpoint folder::
     config.json                 the model's Transformers config
     hf_accel_int8.json          format, backend, group size, skipped modules, model type, tensor names
     model.int8.safetensors      the patched model's state dict: int8 ``qweight`` + float32 ``scale`` (+ ``bias``)
-                                for every quantized linear, float tensors for everything else
+                                for every quantized linear, int8 ``gate_up_proj`` / ``down_proj`` + float32
+                                ``gate_up_proj_scale`` / ``down_proj_scale`` for every mixture of experts' experts,
+                                float tensors for everything else
     (tokenizer files, when a tokenizer is passed)
 """
 
@@ -150,7 +152,9 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     for name, t in tensors.items():
         if name.endswith(".qweight") and t.dtype != torch.int8:
             raise CheckpointError(f"{path}: tensor {name!r} must be int8, got {t.dtype}")
-        if name.endswith(".scale"):
+        if f"{name}_scale" in tensors and t.dtype != torch.int8:  # int8 experts: gate_up_proj + gate_up_proj_scale
+            raise CheckpointError(f"{path}: tensor {name!r} must be int8, got {t.dtype}")
+        if name.endswith((".scale", "_proj_scale")):
             if not t.is_floating_point():
                 raise CheckpointError(f"{path}: tensor {name!r} must be floating point, got {t.dtype}")
             if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
@@ -180,6 +184,17 @@ def _load_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path
             f"({len(missing)}/{len(unexpected)}/{len(wrong)} in all)"
         )
     model.load_state_dict(tensors, strict=True)
+
+
+def _float_experts(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The experts modules a checkpoint holds in float (written before the int8 feature quantized experts, or skipped
+    when saving): loaded as they were saved."""
+    suffix = ".gate_up_proj"
+    return [
+        name.removesuffix(suffix)
+        for name, t in tensors.items()
+        if name.endswith(suffix) and t.is_floating_point() and f"{name}_scale" not in tensors
+    ]
 
 
 def load_quantized(
@@ -222,7 +237,7 @@ def load_quantized(
     try:
         int8 = Int8Config(
             group_size=record["group_size"],
-            skip_modules=tuple(record["skip_modules"]),
+            skip_modules=(*record["skip_modules"], *_float_experts(tensors)),
             activations=record.get("activations", "float"),
         )
     except IncompatibleOptionsError as exc:

@@ -213,8 +213,7 @@ def _choose_experts(model: nn.Module, parts: ModelParts, recorder: Recorder) -> 
         f"Transformers' {impl!r} experts implementation (at patch time; model.set_experts_implementation changes it)",
         f"{len(parts.moe_layers)} MoE layers: hf_accel has no experts kernel of its own; its features run around them",
         {"fused gated MLP": "experts are 3-D parameters picked per token, not gate / up linears",
-         "int8": "the int8 feature swaps linears; the experts stay float (the int8 self-speculative draft quantizes "
-                 "its own)"},
+         "hf_accel Int8Experts": "runs with int8= (the int8 feature swaps the experts too)"},
     )  # fmt: skip
 
 

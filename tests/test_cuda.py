@@ -112,6 +112,18 @@ def test_engine_equals_single_requests(device, compiled):
         assert model.forward.steps > 0 and model.forward.static_shapes
 
 
+def test_moe_int8_experts_and_paged_on_the_device(device):
+    """A mixture of experts with int8 experts (on CUDA the Triton kernel reads each pair's expert on the device) gives
+    the tokens of the float model holding its de-quantized weights, paged and with prompt lookup."""
+    twin = hf_accel.unpatch_model(hf_accel.patch_model(tiny_model("mixtral"), int8=True, **PLAIN_PATH)).to(device)
+    patched = hf_accel.patch_model(tiny_model("mixtral"), int8=True, **PLAIN_PATH, paged=_paged(device)).to(device)
+    ids, mask = _batch(device)
+    expected = twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
+    for extra in ({}, {"paged": True}, {"paged": True, "prompt_lookup": True, "num_speculative_tokens": 3}):
+        got = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **extra, **NO_EOS)
+        assert torch.equal(got, expected), extra
+
+
 def test_threads_on_one_model(device):
     plain = tiny_model("llama").to(device)
     patched = hf_accel.patch_model(tiny_model("llama").to(device), **PLAIN_PATH, paged=_paged(device))

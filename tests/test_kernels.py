@@ -42,6 +42,35 @@ def test_int8_linear_against_reference(fn, rows, group):
     assert_close(fn(x, qw.qweight, qw.scale), expected, atol=2e-4, rtol=1e-5, name="int8_linear")
 
 
+def _experts_case(rows: int, j: int, group: int | None, seed: int = 0):
+    """int8 experts ``[E=6, N=40, K=128]``, ``x [rows, K]`` and ids ``[rows, j]`` that include -1 and E (no expert)."""
+    gen = torch.Generator().manual_seed(seed)
+    qw = quantize(torch.randn(6 * 40, 128, generator=gen), group)
+    q, s = qw.qweight.view(6, 40, 128), qw.scale.view(6, 40, -1)
+    return torch.randn(rows, 128, generator=gen), torch.randint(-1, 7, (rows, j), generator=gen), q, s
+
+
+@pytest.mark.parametrize("fn", _params("int8_experts_linear"))
+@pytest.mark.parametrize(("rows", "j", "group"), [(1, 2, None), (5, 3, 32), (9, 1, None), (40, 8, 64), (0, 2, None)])
+def test_int8_experts_linear_against_reference(fn, rows, j, group):
+    x, ids, q, s = _experts_case(rows, j, group, seed=rows)
+    expected = reference.int8_experts_linear(x, ids, q, s)
+    got = fn(x, ids, q, s)
+    assert got.shape == (rows, j, 40)
+    assert_close(got, expected, atol=2e-4, rtol=1e-5, name="int8_experts_linear")  # fp32 sums, another order
+    assert bool((got[(ids < 0) | (ids > 5)] == 0).all())  # an id outside [0, E): nothing
+
+
+def test_int8_experts_linear_reference_is_each_pair_on_its_own():
+    x, ids, q, s = _experts_case(4, 3, None)
+    got = reference.int8_experts_linear(x, ids, q, s)
+    for r in range(4):
+        for j in range(3):
+            e = int(ids[r, j])
+            want = reference.int8_linear(x[r : r + 1], q[e], s[e])[0] if 0 <= e < 6 else torch.zeros(40)
+            assert_close(got[r, j], want, atol=1e-5, rtol=1e-6, name=f"pair {r}, {j}")  # another matmul shape
+
+
 @pytest.mark.parametrize("name", ["w8a8_linear", "w8a16_linear"])
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 4), (5, 192, 203), (16, 576, 64)])
 def test_integer_dot_linears_against_reference(name, rows, k, n):

@@ -5,7 +5,6 @@ run ``MOE_MATRIX``, one architecture of each MoE form)."""
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from hf_accel import CompileConfig, Engine, PagedConfig
 from hf_accel.core.registry import ARCHITECTURES, decoder_linears, experts_modules, get_attr_path, resolve
 from hf_accel.fused import FusedGatedMLP
 from hf_accel.quant import Int8Linear
-from hf_accel.quant.core import dequantize
 from hf_accel.quant.experts import Int8Experts
 from hf_accel.speculative import SelfSpeculative
 
@@ -119,7 +117,8 @@ def test_patch_report_says_what_runs_the_experts():
     model = hf_accel.patch_model(tiny_model("glm4_moe", num_hidden_layers=3))
     choice = hf_accel.patch_report(model)["implementations"]["moe"]["experts"]
     assert choice["uses"].startswith("Transformers' 'grouped_mm' experts implementation")
-    assert choice["why"].startswith("2 MoE layers: ") and set(choice["not"]) == {"fused gated MLP", "int8"}
+    assert choice["why"].startswith("2 MoE layers: ")
+    assert set(choice["not"]) == {"fused gated MLP", "hf_accel Int8Experts"}
     dense = hf_accel.patch_model(tiny_model("llama"))
     assert "moe" not in hf_accel.patch_report(dense)["implementations"]
 
@@ -134,26 +133,6 @@ def test_fused_mlp_fuses_dense_layers_and_says_it_left_each_mixture_of_experts()
     assert notes["MLP left as is (a mixture of experts; Transformers' experts implementation runs it)"] == 1
 
 
-def test_int8_quantizes_the_linears_keeps_experts_and_routers_and_says_so(caplog):
-    model = tiny_model("hunyuan_v1_moe")
-    experts = copy.deepcopy(model.model.layers[0].mlp.experts.state_dict())
-    router = model.model.layers[0].mlp.gate.wg
-    with caplog.at_level(logging.WARNING, logger="hf_accel"):
-        hf_accel.patch_model(model, int8=True)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear)
-    assert model.model.layers[0].mlp.gate.wg is router and type(router) is nn.Linear
-    for name, value in model.model.layers[0].mlp.experts.state_dict().items():
-        assert torch.equal(value, experts[name])
-    notes = hf_accel.patch_report(model)["changes"]["int8"]
-    assert "experts left in float (int8 covers attention, dense MLPs, shared experts and the LM head)" in notes
-    assert "the experts of 2 mixture-of-experts layers stay in torch.float32" in caplog.text
-    ids, mask = random_batch(2, [5, 9], seed=2)
-    out = _generate(model, ids, mask)
-    assert out.shape == (2, ids.shape[1] + 10)
-    hf_accel.unpatch_model(model)
-    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
-
-
 @pytest.mark.parametrize("arch", ["qwen2_moe", "granitemoe"])  # a gated shared expert; the router under "router"
 def test_int8_checkpoint_of_a_moe_model_round_trips(arch, tmp_path):
     model = hf_accel.patch_model(tiny_model(arch), int8=True)
@@ -162,6 +141,7 @@ def test_int8_checkpoint_of_a_moe_model_round_trips(arch, tmp_path):
     hf_accel.save_quantized(model, tmp_path)
     loaded = hf_accel.load_quantized(tmp_path)
     assert isinstance(loaded.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert isinstance(experts_modules(loaded, ARCHITECTURES[arch])[0], Int8Experts)
     assert torch.equal(_generate(loaded, ids, mask), expected)
 
 
@@ -199,7 +179,7 @@ def test_a_self_speculative_draft_never_copies_the_float_experts(weights):
     assert len(mine) == (1 if weights is None else 2) and len(theirs) == 2
     for own, target in zip(mine, theirs[-len(mine) :], strict=True):  # layers=[0, 2] keeps layer 2's experts
         if weights == "int8":
-            assert isinstance(own, Int8Experts) and own.gate_up[0].qweight.dtype == torch.int8
+            assert isinstance(own, Int8Experts) and own.gate_up_proj.dtype == torch.int8
             continue
         for name, param in own.named_parameters():
             target_param = getattr(target, name)
@@ -221,14 +201,14 @@ def _routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor
 @pytest.mark.parametrize("tokens", [1, 5, 40])  # a decode row (the kernel), a verification chunk, a prompt
 def test_int8_experts_equal_the_experts_module_on_their_own_dequantized_weights(tokens):
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
-    int8 = Int8Experts(experts)
+    int8 = Int8Experts.from_module(experts)
     gen = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1], generator=gen)
     index, weights = _routing(tokens, int8.num_experts, 2, seed=tokens)
     reference = copy.deepcopy(experts)
     with torch.no_grad():
-        reference.gate_up_proj.copy_(torch.stack([dequantize(m.quantized, torch.float32) for m in int8.gate_up]))
-        reference.down_proj.copy_(torch.stack([dequantize(m.quantized, torch.float32) for m in int8.down]))
+        reference.gate_up_proj.copy_(int8.dequantized("gate_up_proj", torch.float32))
+        reference.down_proj.copy_(int8.dequantized("down_proj", torch.float32))
         got, want, original = (
             int8(hidden, index, weights),
             reference(hidden, index, weights),
@@ -243,4 +223,4 @@ def test_int8_experts_refuse_a_layout_they_do_not_read():
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
     experts.is_transposed = True
     with pytest.raises(TypeError, match=r"MixtralExperts stores its experts as .*'is_transposed': True"):
-        Int8Experts(experts)
+        Int8Experts.from_module(experts)

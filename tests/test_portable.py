@@ -113,6 +113,28 @@ def test_portable_ops_trace_without_graph_breaks_or_host_reads():
     assert_close(linear(x, q, s), reference.int8_linear(x, q, s), atol=2e-5, rtol=1e-5)
 
 
+EXPERTS_CASES = [(1, 2, 1, torch.float32, 2e-5), (7, 3, 4, torch.float32, 2e-5), (30, 4, 1, torch.bfloat16, 0.1)]
+
+
+@pytest.mark.parametrize("pairs", ["gathered", "grouped"])
+@pytest.mark.parametrize(("rows", "j", "groups", "dtype", "atol"), EXPERTS_CASES)
+def test_int8_experts_forms_match_the_reference(monkeypatch, pairs, rows, j, groups, dtype, atol):
+    """Both forms of the portable experts linear: each pair's weights gathered (decode, no host read) and the pairs
+    grouped by expert (prefill); ids outside [0, E) give zeros."""
+    monkeypatch.setattr(portable, "EXPERTS_GATHER_PAIRS", 10_000 if pairs == "gathered" else 0)
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (5, 24, 64), dtype=torch.int8, generator=gen)
+    s = torch.rand(5, 24, groups, generator=gen) / 50
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    ids = torch.randint(-1, 6, (rows, j), generator=gen)
+    got = portable.int8_experts_linear(x, ids, q, s)
+    assert got.dtype == dtype and got.shape == (rows, j, 24)
+    assert_close(got.float(), reference.int8_experts_linear(x.float(), ids, q, s), atol=atol, rtol=1e-2)
+    if pairs == "gathered":  # no host read: it traces whole
+        compiled = torch.compile(portable.int8_experts_linear, backend="eager", fullgraph=True)
+        assert_close(compiled(x, ids, q, s).float(), got.float(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (0, 20.0)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 def test_chunk_attention_matches_per_row_attention(window, softcap, heads, kv_heads):

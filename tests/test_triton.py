@@ -59,6 +59,19 @@ for m, n, k in [(1, 96, 256), (3, 200, 384), (16, 64, 128), (5, 130, 200), (2, 4
 x, q = torch.randn(40, 128, generator=gen), torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=gen)
 for s in (torch.rand(32, 1, generator=gen) / 50, torch.rand(32, 4, generator=gen) / 50):  # prefill rows; groups
     assert_close(triton_int8.int8_linear(x, q, s), reference.int8_linear(x, q, s), atol=2e-5, rtol=2e-6, name="rest")
+from hf_accel.kernels import triton_experts
+
+for e, n, k, groups in [(6, 40, 128, 1), (5, 70, 200, 2), (3, 33, 96, 3)]:  # tails in N and K; group scales
+    q = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, generator=gen)
+    s = torch.rand(e, n, groups, generator=gen) / 50
+    for rows, j in [(1, 2), (4, 3), (7, 1)]:
+        ids = torch.randint(-1, e + 1, (rows, j), generator=gen)  # -1 and e: no expert, zeros
+        for dtype, atol in ((torch.float32, 2e-5), (torch.float16, 2e-2)):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            got = triton_experts.int8_experts_linear(x, ids, q, s)
+            assert got.dtype == dtype
+            want = reference.int8_experts_linear(x.float(), ids, q, s)
+            assert_close(got.float(), want, atol=atol, rtol=1e-3, name=f"experts {e}x{n}x{k}/{groups} {rows}x{j}")
 print("ok")
 """
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from .call import GenerateCall, GenerateKwarg
@@ -72,14 +73,14 @@ def get_state(model: nn.Module) -> PatchState | None:
     return getattr(model, "__dict__", {}).get(STATE_ATTR)  # anything that is not a module: not patched
 
 
-def plain_copy(model: nn.Module, share: Iterable[nn.Parameter] = ()) -> nn.Module:
+def plain_copy(model: nn.Module, share: Iterable[torch.Tensor] = ()) -> nn.Module:
     """A deep copy of ``model`` that runs without hf_accel: each enabled feature's :attr:`Feature.plain` undoes its
     instance-level changes on the copy. The original is not touched; an unpatched model is simply deep-copied.
 
     What the patch attached to the instance (its state, the bound ``generate``, a compiled ``forward``...) is not
     copied at all, so kept caches, engines and drafts never are. The parameters in ``share`` are not copied either:
-    the copy holds the very same ``Parameter`` objects (for weights no feature changes and the copy only reads; a
-    ``.to()`` of the copy would convert them in the original too).
+    the copy holds the very same ``Parameter`` (or buffer) objects (for weights no feature changes and the copy only
+    reads; a ``.to()`` of the copy would convert them in the original too).
     """
     state = get_state(model)
     shared: dict[int, Any] = {id(p): p for p in share}

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import build, portable, reference, triton_int8, triton_paged
+from . import build, portable, reference, triton_experts, triton_int8, triton_paged
 from .build import ISAS, extension, extension_status
 
 __all__ = ["OPS", "Choice", "OpSpec", "choose", "define_composite", "native_builds", "op", "reset_choices"]
@@ -124,6 +124,10 @@ def _rows_by_out(x: torch.Tensor, weight: torch.Tensor, *rest: Any) -> torch.Ten
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _experts_fake(x: torch.Tensor, expert_ids: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
+    return x.new_empty((*expert_ids.shape, qweight.shape[1]))
+
+
 def _activations_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m = x.shape[0]
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((m, 16)), x.new_empty((m, 16), dtype=torch.int32)
@@ -154,6 +158,11 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "int8_linear", _LINEAR, reference.int8_linear, _rows_by_out, "int8_linear", _ALL, _int8_fit,
             lambda x, q, s: {"group_size": q.shape[1] // s.shape[1]}, portable.int8_linear, triton_int8,
+        ),
+        OpSpec(
+            "int8_experts_linear", "(Tensor x, Tensor expert_ids, Tensor qweight, Tensor scale) -> Tensor",
+            reference.int8_experts_linear, _experts_fake, "int8_experts_linear", _ALL, _int8_fit,
+            lambda x, i, q, s: {"group_size": q.shape[2] // s.shape[2]}, portable.int8_experts_linear, triton_experts,
         ),
         OpSpec(
             "w8a8_linear", _LINEAR, reference.w8a8_linear, _rows_by_out, "w8a8_linear", _ALL, _int_dot_fit,

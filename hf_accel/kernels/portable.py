@@ -15,6 +15,7 @@ import torch.nn.functional as F
 __all__ = [
     "WHY",
     "chunk_attention",
+    "int8_experts_linear",
     "int8_linear",
     "int8_linear_compiled",
     "paged_attention",
@@ -25,6 +26,8 @@ __all__ = [
 WHY = {
     "paged_attention": "whole-batch attention over the pool with device-side block tables (no host sync, CUDA-graph "
     "safe)",
+    "int8_experts_linear": "up to 64 (row, expert) pairs: each pair's int8 weights gathered and de-quantized, one "
+    "batched matmul (no host sync); above: the pairs grouped by expert after one host read, a matmul per expert hit",
     "int8_linear": "int8 weights de-quantized in the input dtype, then the device's matmul (a compiled step fuses the "
     "de-quantization)",
 }
@@ -147,3 +150,41 @@ def int8_linear_compiled(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Te
     groups = scale.shape[1]
     weight = (qweight.view(n, groups, k // groups).to(x.dtype) * scale.to(x.dtype)[..., None]).view(n, k)
     return F.linear(x, weight)
+
+
+#: up to this many (row, expert) pairs :func:`int8_experts_linear` gathers each pair's weights (no host sync)
+EXPERTS_GATHER_PAIRS = 64
+
+
+def int8_experts_linear(
+    x: torch.Tensor, expert_ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """A mixture of experts' int8 linear on an accelerator (:func:`hf_accel.kernels.reference.int8_experts_linear`):
+    ``x [R, K]``, ``expert_ids [R, J]``, ``qweight [E, N, K]``, ``scale [E, N, G]`` -> ``[R, J, N]`` in ``x``'s dtype.
+
+    Up to :data:`EXPERTS_GATHER_PAIRS` pairs (decode), or while a CUDA graph is being captured, each pair's weights
+    are gathered and de-quantized and one batched matmul runs: no host sync. More pairs (prefill) are grouped by
+    expert after one host read of the counts (the gathered copies would outgrow the experts themselves)."""
+    num_experts, n, k = qweight.shape
+    rows, j = expert_ids.shape
+    flat = expert_ids.reshape(-1)  # [P]
+    valid = (flat >= 0) & (flat < num_experts)  # [P]
+    safe = torch.where(valid, flat, 0)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if flat.numel() <= EXPERTS_GATHER_PAIRS or capturing:
+        groups = scale.shape[2]
+        w = qweight[safe].view(-1, n, groups, k // groups).to(x.dtype) * scale[safe].to(x.dtype)[..., None]
+        xs = x.repeat_interleave(j, dim=0)  # [P, K]
+        y = torch.bmm(w.view(-1, n, k), xs[:, :, None])[..., 0]  # [P, N]
+        return (y * valid[:, None]).view(rows, j, n)
+    keyed = torch.where(valid, flat, num_experts)  # an invalid id sorts last, after every expert
+    order = torch.argsort(keyed, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts].tolist()  # the one host read
+    out = x.new_zeros(rows * j, n)  # [P, N]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            pairs = order[start : start + count]  # [count]
+            out[pairs] = int8_linear_compiled(x[pairs // j], qweight[expert], scale[expert])
+        start += count
+    return out.view(rows, j, n)

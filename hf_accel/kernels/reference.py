@@ -32,6 +32,7 @@ __all__ = [
     "dequantize_activations",
     "float_linear",
     "half_linear",
+    "int8_experts_linear",
     "int8_linear",
     "paged_attention",
     "panel_linear",
@@ -63,6 +64,21 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     n, k = qweight.shape
     weight = (qweight.float().view(n, scale.shape[1], k // scale.shape[1]) * scale.float()[..., None]).view(n, k)
     return x.float() @ weight.T
+
+
+def int8_experts_linear(
+    x: torch.Tensor, expert_ids: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """A mixture of experts' weight-only int8 linear: row ``r`` of ``x [R, K]`` times the weights of each of its experts
+    ``expert_ids[r, j]`` (``[R, J]``; an id outside ``[0, E)`` gives zeros): ``qweight [E, N, K]`` int8,
+    ``scale [E, N, G]`` -> ``[R, J, N]`` in ``x``'s dtype (float32 sums)."""
+    num_experts = qweight.shape[0]
+    out = torch.zeros(*expert_ids.shape, qweight.shape[1], dtype=torch.float32, device=x.device)  # [R, J, N]
+    for expert in expert_ids.unique().tolist():
+        if 0 <= expert < num_experts:
+            rows, slots = (expert_ids == expert).nonzero(as_tuple=True)
+            out[rows, slots] = int8_linear(x[rows], qweight[expert], scale[expert])
+    return out.to(x.dtype)
 
 
 def _lane_view(x: torch.Tensor, block: int = ACT_BLOCK, scheme: str = "W8A8") -> torch.Tensor:

@@ -22,11 +22,20 @@ from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .codes import Codes, find_codes
 from .core import dequantize, quantize
+from .experts import PROJECTIONS, Int8Experts, check_layout
 from .linear import Int8Embedding, Int8Linear, check_w8a8, kernel_choice
 from .model_apis import bind_model_apis, warn_lossy_unpatch
 from .quanto import is_quanto_linear, quanto_dequantize, quanto_module, to_quanto_linear
 
-__all__ = ["apply_int8", "can_tie_embedding", "int8_targets", "quantize_linears", "resolve_backend"]
+__all__ = [
+    "apply_int8",
+    "can_tie_embedding",
+    "int8_experts_kept",
+    "int8_targets",
+    "quantize_linears",
+    "quantize_moe_experts",
+    "resolve_backend",
+]
 
 logger = logging.getLogger(__name__)
 FEATURE = "int8"
@@ -66,7 +75,7 @@ def _check(model: nn.Module, config: Int8Config, backend: str) -> None:
         bnb_module()  # a clear FeatureNotAvailableError when it is not installed
     if backend == "quanto":
         quanto_module()
-    if any(isinstance(m, Int8Linear) or is_quanto_linear(m) for m in model.modules()):
+    if any(isinstance(m, (Int8Linear, Int8Experts)) or is_quanto_linear(m) for m in model.modules()):
         raise IncompatibleOptionsError("the model already holds Int8Linear layers; it is quantized already")
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -160,25 +169,104 @@ def apply_int8(model: nn.Module, parts: ModelParts, config: Int8Config, recorder
             recorder.note(FEATURE, "bitsandbytes layer left as loaded")
     warn_lossy_unpatch(recorder, config.keep_original)  # recorded first: undone last
     quantize_linears(model, parts.spec, config, recorder, backend)
-    _note_float_experts(parts, recorder)
+    quantize_moe_experts(model, parts, config, recorder, backend)
     bind_model_apis(model, recorder, backend)
     logger.info("hf_accel: int8 %s", recorder.counts().get(FEATURE, {}))
 
 
-def _note_float_experts(parts: ModelParts, recorder: Recorder) -> None:
-    """Say (and warn) that a mixture of experts keeps its experts' weights, most of such a model, in float: they are
-    Transformers' 3-D parameters, not linears, and int8 swaps linears only."""
-    experts = [layer.experts for layer in parts if layer.experts is not None]
-    if not experts:
-        return
-    weights = [p for module in experts for p in module.parameters()]
-    recorder.note(FEATURE, "experts left in float (int8 covers attention, dense MLPs, shared experts and the LM head)")
+def quantize_moe_experts(
+    model: nn.Module, parts: ModelParts, config: Int8Config, recorder: Recorder, backend: str = "native"
+) -> None:
+    """Swap every MoE layer's experts module (Transformers' 3-D ``gate_up_proj`` / ``down_proj``) for an
+    :class:`Int8Experts` (native backend; weight-only with ``config.group_size``), recorded: the float experts are
+    released (kept with ``keep_original``) and ``unpatch_model`` brings them back. Experts left in float (matched by
+    ``skip_modules``, another backend, tensor-parallel shards, another storage layout) are said so in a warning and
+    in ``patch_report``.
+
+    Raises:
+        IncompatibleOptionsError: ``config.group_size`` does not divide an experts projection's input features.
+    """
+    left: list[tuple[str, str]] = []
+    for layer in parts:
+        if layer.experts is None:
+            continue
+        name = f"{layer.mlp_path}.{parts.spec.experts}"  # e.g. model.layers.1.mlp.experts
+        experts = get_attr_path(model, name)
+        why = int8_experts_kept(name, experts, config, backend)
+        if why is not None:
+            left.append((name, why))
+            continue
+        check_resident(name, experts, "int8", _OFFLOAD_ADVICE)
+        try:
+            new = Int8Experts.from_module(experts, config.group_size)
+        except ValueError as err:
+            raise IncompatibleOptionsError(
+                f"{name}: {err}; choose a group_size that divides it, or leave these experts in float with "
+                f"Int8Config(skip_modules=[{name!r}])"
+            ) from None
+        _swap_experts(recorder, model, name, experts, new, config.keep_original)
+    if len(left) < len(parts.moe_layers):
+        _record_experts_choice(recorder, new, config)
+    if left:
+        _note_float_experts(left, recorder)
+
+
+def int8_experts_kept(name: str, experts: nn.Module, config: Int8Config, backend: str) -> str | None:
+    """Why the int8 feature leaves this experts module in float, or ``None``."""
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in config.skip_modules):
+        return "skip_modules"
+    if backend != "native":
+        return f"the {backend} backend quantizes linears only"
+    if any(is_sharded(getattr(experts, proj, None)) for proj in PROJECTIONS):
+        return "tensor-parallel experts"
+    try:
+        check_layout(experts)
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def _swap_experts(
+    recorder: Recorder, model: nn.Module, name: str, experts: nn.Module, new: Int8Experts, keep: bool
+) -> None:
+    parent, attr = parent_and_name(model, name)
+    transfer_hook(experts, new)
+    recorder.set_submodule(FEATURE, parent, attr, new, "experts -> Int8Experts")
+    weights = [getattr(experts, proj) for proj in PROJECTIONS]
+    originals = [w.data for w in weights] if keep else None  # only kept weights may stay referenced
+
+    def restore() -> None:
+        for i, (weight, proj) in enumerate(zip(weights, PROJECTIONS, strict=True)):
+            weight.data = originals[i] if originals is not None else new.dequantized(proj, weight.dtype)
+
+    recorder.release(FEATURE, "float experts kept" if keep else "float experts released", weights, restore)
+
+
+def _record_experts_choice(recorder: Recorder, layer: Int8Experts, config: Int8Config) -> None:
+    """Say in ``patch_report`` which implementation the int8 experts run, under ``int8`` and ``moe``."""
+    described = layer.choices["down_proj"].describe()
+    recorder.choose(FEATURE, "int8_experts_linear", described["uses"], described["why"], described["not"])
+    recorder.choose(
+        "moe",
+        "experts",
+        f"hf_accel Int8Experts ({described['uses']})",
+        "int8=: the experts' int8 rows read by int8_experts_linear (the (token, expert) pairs grouped by expert on "
+        "the CPU; the expert read on the device on CUDA)",
+        {"Transformers' experts implementations": "they read float weights; these experts are int8"},
+    )
+    if config.activations == "int8":
+        recorder.note(FEATURE, "experts weight-only (W8A8 covers the linears)")
+
+
+def _note_float_experts(left: list[tuple[str, str]], recorder: Recorder) -> None:
+    """Say (and warn) which experts stay in float, and why."""
+    reasons = sorted({why for _, why in left})
+    recorder.note(FEATURE, f"experts left in float ({'; '.join(reasons)})")
     logger.warning(
-        "hf_accel: int8: the experts of %d mixture-of-experts layers stay in %s (%.1fM weights): int8 swaps the "
-        "linears of attention, dense MLPs, shared experts and the LM head; routers stay in float too",
-        len(experts),
-        weights[0].dtype,
-        sum(p.numel() for p in weights) / 1e6,
+        "hf_accel: int8: the experts of %d mixture-of-experts layers stay in float (%s), e.g. %s",
+        len(left),
+        "; ".join(reasons),
+        left[0][0],
     )
 
 
@@ -213,7 +301,12 @@ def quantize_linears(
             new = to_quanto_linear(linear)
             _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: quanto_dequantize(m, dt))
             continue
-        new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
+        try:
+            new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
+        except ValueError as err:
+            raise IncompatibleOptionsError(
+                f"{name}: {err}; choose a group_size that divides it, or Int8Config(skip_modules=[{name!r}])"
+            ) from None
         _record_choice(recorder, new, linear.weight.device)
         if name == head_name and tied:
             _tie_embedding(model, spec, embed, new, recorder)

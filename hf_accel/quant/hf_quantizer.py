@@ -28,8 +28,9 @@ from ..core.config import Int8Config
 from ..core.errors import CheckpointError, IncompatibleOptionsError
 from ..core.recorder import Recorder
 from ..core.registry import ArchSpec, get_attr_path, parent_and_name, resolve
-from .apply import can_tie_embedding, int8_targets, quantize_linears
+from .apply import can_tie_embedding, int8_experts_kept, int8_targets, quantize_linears
 from .core import QuantizedWeight, quantize
+from .experts import PROJECTIONS, Int8Experts
 from .linear import Int8Embedding, Int8Linear
 from .model_apis import bind_model_apis
 
@@ -130,9 +131,15 @@ class Int8Quantize(ConversionOps):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         value = next(iter(input_dict.values()))
-        value = value[0] if isinstance(value, list) else value  # weight: [N, K] float
+        value = value[0] if isinstance(value, list) else value  # weight: [N, K] float (experts: [E, N, K])
         prefix = full_layer_name.rpartition(".")[0]
         module = model.get_submodule(prefix)
+        if isinstance(module, Int8Experts):  # gate_up_proj / down_proj: [E, N, K] float -> int8 + [E, N, G] scales
+            e, n, k = value.shape
+            qw = quantize(value.reshape(e * n, k), self.hf_quantizer.options.group_size)
+            if missing_keys is not None:
+                missing_keys.discard(full_layer_name)
+            return {full_layer_name: qw.qweight.view(e, n, k), f"{full_layer_name}_scale": qw.scale.view(e, n, -1)}
         qw = quantize(value, module.group_size)  # [N, K] int8 + [N, G] float32, on the tensor's device
         del module.weight  # the float placeholder: never materialised
         if missing_keys is not None:
@@ -183,6 +190,8 @@ class Int8HfQuantizer(HfQuantizer):
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
         prefix, _, name = param_name.rpartition(".")
         module = model.get_submodule(prefix) if prefix else model
+        if isinstance(module, Int8Experts):  # a float checkpoint's experts, quantized as they arrive
+            return name in PROJECTIONS and not self.pre_quantized
         return isinstance(module, Int8Linear) and name == "weight" and "weight" in module._parameters
 
     def get_quantize_ops(self) -> ConversionOps:
@@ -200,6 +209,7 @@ class Int8HfQuantizer(HfQuantizer):
             setattr(parent, attr, layer)
             if name == spec.lm_head and tied:  # a saved int8 pair: the lookup reads the head's int8 rows
                 _tie_placeholder(model, spec, layer)
+        _experts_placeholders(model, resolve(model), options)
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -209,6 +219,8 @@ class Int8HfQuantizer(HfQuantizer):
                 _requantize(module)  # Transformers initialised it (and said so); quantize that
             if isinstance(module, Int8Linear) and module.qweight.is_meta:
                 raise CheckpointError(f"{name}: the checkpoint holds no qweight / scale for this int8 layer")
+            if isinstance(module, Int8Experts):
+                _check_loaded_experts(name, module)
         recorder = Recorder()  # nothing here is undone: the model is born int8, as with bitsandbytes / quanto
         quantize_linears(model, spec, self._options_for(model), recorder, "native")  # a tied head, once loaded
         bind_model_apis(model, recorder, "native", save=False)
@@ -235,6 +247,38 @@ class Int8HfQuantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _experts_placeholders(model: nn.Module, parts: Any, options: Int8Config) -> None:
+    """Each MoE layer's experts (minus those ``skip_modules`` names, or stored another way) -> an
+    :class:`Int8Experts` on the meta device: its int8 ``gate_up_proj`` / ``down_proj`` and ``_scale`` tensors load
+    from an int8 checkpoint, or from a float one's 3-D weights quantized as they arrive."""
+    for layer in parts:
+        if layer.experts is None:
+            continue
+        name = f"{layer.mlp_path}.{parts.spec.experts}"
+        if int8_experts_kept(name, layer.experts, options, "native") is not None:
+            continue
+        try:
+            placeholder = Int8Experts.placeholder(layer.experts, options.group_size)
+        except ValueError as err:
+            raise IncompatibleOptionsError(
+                f"{name}: {err}; choose a group_size that divides it, or Int8Config(skip_modules=[{name!r}])"
+            ) from None
+        parent, attr = parent_and_name(model, name)
+        setattr(parent, attr, placeholder)
+
+
+def _check_loaded_experts(name: str, module: Int8Experts) -> None:
+    """Raise unless every int8 tensor of ``module`` loaded as int8 with its scales."""
+    for proj in PROJECTIONS:
+        weight, scale = module.get_buffer(proj), module.get_buffer(f"{proj}_scale")
+        if weight.is_meta or scale.is_meta or weight.dtype != torch.int8:
+            raise CheckpointError(
+                f"{name}: the checkpoint holds no int8 {proj} / {proj}_scale for these int8 experts (got "
+                f"{weight.dtype}{', scales missing' if scale.is_meta else ''})"
+            )
+    module.bind_kernel()  # the device the tensors loaded on
 
 
 def _tied_head(model: nn.Module, spec: ArchSpec) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 from ..core.dispatch import model_dtype
 from ..core.recorder import Recorder
 from .core import dequantize
+from .experts import PROJECTIONS, Int8Experts
 from .linear import Int8Embedding, Int8Linear
 
 __all__ = ["bind_model_apis", "float_state_dict", "warn_lossy_unpatch"]
@@ -49,6 +50,8 @@ def _num_parameters(self: nn.Module, only_trainable: bool = False, exclude_embed
             seen.add(module.qweight.data_ptr())
             if not (exclude_embeddings and module is tied):  # a tied head is the embedding matrix
                 count += module.qweight.numel()
+        if isinstance(module, Int8Experts):
+            count += sum(module.get_buffer(name).numel() for name in PROJECTIONS)
     return count
 
 
@@ -67,11 +70,16 @@ _SAVE_REFUSAL = (
 
 def float_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with the unpatched model's keys: each :class:`Int8Linear`'s ``qweight`` / ``scale``
-    become its de-quantized ``weight`` (in the model's float dtype), and a tied int8 embedding gets it too."""
+    become its de-quantized ``weight`` (in the model's float dtype), a tied int8 embedding gets it too, and each
+    :class:`Int8Experts`' int8 ``gate_up_proj`` / ``down_proj`` (+ ``_scale``) become the de-quantized 3-D weights."""
     state = model.state_dict()
     dtype = model_dtype(model)
     embeds = {id(m.head[0]): name for name, m in model.named_modules() if isinstance(m, Int8Embedding)}
     for name, module in model.named_modules():
+        if isinstance(module, Int8Experts):
+            for proj in PROJECTIONS:
+                state.pop(f"{name}.{proj}_scale", None)
+                state[f"{name}.{proj}"] = module.dequantized(proj, dtype)  # [E, N, K]
         if not isinstance(module, Int8Linear):
             continue
         prefix = f"{name}." if name else ""

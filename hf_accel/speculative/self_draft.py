@@ -211,7 +211,8 @@ class SelfSpeculative(DraftModel):
         # (no feature changes them) are shared, not copied: most of such a model's bytes. An int8 draft then builds
         # int8 experts of its own from them (a quarter of the bytes to read), a dtype draft converts a copy.
         experts = experts_modules(target, get_spec(target)) if not isinstance(weights, torch.dtype) else []
-        draft = plain_copy(target, share=[p for module in experts for p in module.parameters()])
+        # (an int8 target's experts are Int8Experts: their int8 buffers are shared the same way)
+        draft = plain_copy(target, share=[t for module in experts for t in (*module.parameters(), *module.buffers())])
         if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
             raise IncompatibleOptionsError(
                 "SelfSpeculative(weights=None) keeps every decoder layer: the draft would be the target itself; "

@@ -10,6 +10,8 @@ using Lanes = hf_accel::Widest;
 
 void register_int8(pybind11::module_& m) {
   m.def("int8_linear", &hf_accel::int8_linear<Lanes>, "weight-only int8 linear: x [M, K] fp32 @ (q [N, K] * scale)^T");
+  m.def("int8_experts_linear", &hf_accel::int8_experts_linear<Lanes>,
+        "a mixture of experts' weight-only int8 linear: x [R, K] fp32, ids [R, J] -> [R, J, N]");
   m.def("int8_group_lanes", []() { return Lanes::kLanes; }, "the int8 group size must be a multiple of this");
 }
 

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
+#include <vector>
 #include "avx2_common.h"
 
 namespace hf_accel {
@@ -142,6 +144,66 @@ std::vector<torch::Tensor> int8_linear_many(const torch::Tensor& x, const std::v
     }
   });
   return ys;
+}
+
+
+// A mixture of experts' weight-only int8 linear: row r of x [R, K] float32 times the weights of each of its experts
+// ids[r, :] (int64 [R, J]; an id outside [0, E) gives zeros): out[r, j] = x[r] @ (q[ids[r, j]] * scale[ids[r, j]])^T,
+// q [E, N, K] int8, scale [E, N, G] float32 -> [R, J, N] float32. The rows are grouped by expert (gathered into one
+// contiguous block each), and the tiles of every expert hit are split over threads together: one parallel region,
+// each hit expert's weights read once.
+template <class V>
+torch::Tensor int8_experts_linear(torch::Tensor x, torch::Tensor ids, torch::Tensor q, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && q.dim() == 3 && scale.dim() == 3,
+              "int8_experts_linear: expected x [R, K], ids [R, J], q [E, N, K], scale [E, N, G]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.size(0) == x.size(0), "int8_experts_linear: ids [R, J] int64");
+  TORCH_CHECK(q.size(0) == scale.size(0) && q.size(1) == scale.size(1), "int8_experts_linear: q / scale mismatch");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous(), "int8_experts_linear: needs contiguous q, scale");
+  const int64_t R = x.size(0), J = ids.size(1), E = q.size(0), N = q.size(1), K = q.size(2), G = scale.size(2);
+  const int64_t group = int8_check<V>(x, q.select(0, 0), scale.select(0, 0));
+  auto idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> pairs(E);  // expert -> its (row * J + slot) pairs, ascending
+  for (int64_t p = 0; p < R * J; ++p)
+    if (id[p] >= 0 && id[p] < E) pairs[id[p]].push_back(p);
+  struct Hit {
+    int64_t e, first, n;  // expert, first tile in the joint numbering, rows
+    float* xs;            // [n, K] its gathered rows
+    float* ys;            // [n, N] their products
+  };
+  std::vector<Hit> hits;
+  std::vector<torch::Tensor> buffers;  // keep each hit's xs / ys alive
+  int64_t tiles = 0;
+  const float* xp = x.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = static_cast<int64_t>(pairs[e].size());
+    if (n == 0) continue;
+    buffers.push_back(torch::empty({n, K}, x.options()));
+    float* xs = buffers.back().data_ptr<float>();
+    buffers.push_back(torch::empty({n, N}, x.options()));
+    float* ys = buffers.back().data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xs + i * K, xp + (pairs[e][i] / J) * K, K * sizeof(float));
+    hits.push_back({e, tiles, n, xs, ys});
+    tiles += (N + kInt8Rows - 1) / kInt8Rows;
+  }
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t per = (N + kInt8Rows - 1) / kInt8Rows;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Hit& h = hits[t / per];
+      const int64_t n0 = (t - h.first) * kInt8Rows;
+      int8_rows<V>(h.xs, qp + (h.e * N + n0) * K, sp + (h.e * N + n0) * G, h.ys + n0, h.n, K, N,
+                   std::min(kInt8Rows, N - n0), group, G);
+    }
+  });
+  auto out = torch::zeros({R, J, N}, x.options());
+  float* op = out.data_ptr<float>();
+  for (const Hit& h : hits) {
+    const auto& ps = pairs[h.e];
+    for (int64_t i = 0; i < h.n; ++i) std::memcpy(op + ps[i] * N, h.ys + i * N, N * sizeof(float));
+  }
+  return out;
 }
 
 }  // namespace hf_accel
