@@ -1,7 +1,10 @@
 """The kernels alone. Paged decode attention: the reference's per-row loop, the portable whole-batch implementation
 and (on CUDA) the Triton kernel and FlexAttention over the pool, on one batch of mixed context lengths. Weight-only
 int8 linear at decode sizes: the float matmul of the same shape, the portable de-quantize form and (on CUDA) the
-Triton W8A16 kernel. Prints milliseconds per call (median of 20 after a warm-up).
+Triton W8A16 kernel. A mixture of experts' experts (Qwen3-30B-A3B's: 128 experts, hidden 2048, 768 per expert, 8 per
+token) for one token and for ``--batch`` tokens: Transformers' experts module in the model dtype (its default
+``grouped_mm`` implementation) against hf_accel's ``Int8Experts`` (on CUDA the Triton experts kernel). Prints
+milliseconds per call (median of 20 after a warm-up).
 
     python benchmarks/gpu/kernels_micro.py --device cuda --dtype bfloat16 --batch 32 --max-context 2048
     python benchmarks/gpu/kernels_micro.py --device cpu   # docs/log/2026-12-06-cuda-cpu-side.md
@@ -72,6 +75,32 @@ def int8_rows(args: argparse.Namespace) -> None:
             print(f"int8 linear {args.rows}x{k} -> {n}, {name}: {_ms(timed_ms(call, args.device))}")
 
 
+def experts_rows(args: argparse.Namespace) -> None:
+    """One MoE layer's experts at decode sizes: float (Transformers) against int8 (hf_accel)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from hf_accel.quant.experts import Int8Experts
+
+    dtype = getattr(torch, args.dtype)
+    config = Qwen3MoeConfig(hidden_size=args.experts_hidden, moe_intermediate_size=768, num_experts=128,
+                            num_experts_per_tok=8)  # fmt: skip
+    config._experts_implementation = "grouped_mm"  # what a model loaded by from_pretrained runs by default
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to(args.device, dtype)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    int8 = Int8Experts.from_module(experts)
+    print(f"experts: int8 via {int8.choices['down_proj'].impl}")
+    for tokens in (1, args.batch):
+        hidden = torch.randn(tokens, config.hidden_size, dtype=dtype, device=args.device)
+        index = torch.rand(tokens, 128, device=args.device).topk(8, dim=-1).indices  # [T, 8]
+        weights = torch.full((tokens, 8), 1 / 8, dtype=dtype, device=args.device)
+        for name, module in (("float (Transformers grouped_mm)", experts), ("int8 (Int8Experts)", int8)):
+            ms = timed_ms(lambda m=module, h=hidden, i=index, w=weights: m(h, i, w), args.device)
+            print(f"experts {tokens} tokens x 8 of 128, {name}: {_ms(ms)}")
+
+
 def _ms(value: float | str) -> str:
     return f"{value:.3f} ms" if isinstance(value, float) else value
 
@@ -88,6 +117,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=2048, help="int8 rows: the MLP width")
     parser.add_argument("--rows", type=int, default=1, help="int8 rows: activation rows (decode batch)")
+    parser.add_argument("--experts-hidden", type=int, default=2048, help="experts rows: the hidden size")
     args = parser.parse_args()
     tensors = case(args)
     paths = {"reference (per-row loop)": reference.paged_attention, "portable (whole batch)": portable.paged_attention}
@@ -98,6 +128,7 @@ def main() -> None:
         ms = timed_ms(lambda fn=fn: fn(*tensors, scale, 0, 0.0), args.device)
         print(f"paged attention, {name}: {_ms(ms)}")
     int8_rows(args)
+    experts_rows(args)
     flex_rows(args, tensors, scale)  # last: each compiles (tens of seconds), so a timeout loses only these
 
 
