@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from hf_accel.kernels import portable, reference
+from hf_accel.kernels import portable, reference, triton_experts
 from hf_accel.kernels.build import cpu_isas
 from hf_accel.kernels.ops import OPS, choose, native_builds, op
 from hf_accel.quant.core import quantize
@@ -69,6 +69,21 @@ def test_int8_experts_linear_reference_is_each_pair_on_its_own():
             e = int(ids[r, j])
             want = reference.int8_linear(x[r : r + 1], q[e], s[e])[0] if 0 <= e < 6 else torch.zeros(40)
             assert_close(got[r, j], want, atol=1e-5, rtol=1e-6, name=f"pair {r}, {j}")  # another matmul shape
+
+
+@pytest.mark.parametrize(("pairs", "experts", "block"), [(8, 128, 16), (37, 5, 16), (0, 4, 16), (300, 6, 64)])
+def test_experts_align_groups_every_valid_pair_by_expert_on_the_device(pairs, experts, block):
+    """The Triton experts kernel's layout (built with tensor ops, no host read): each block of slots holds pairs of
+    one expert, every valid pair exactly once, padding -1, nothing past the blocks in use."""
+    flat = torch.randint(-1, experts + 1, (pairs,), generator=torch.Generator().manual_seed(pairs))
+    slots, owners, used = triton_experts.align(flat, experts, block)
+    assert slots.numel() == owners.numel() * block and owners.numel() == -(pairs // -block) + min(experts, pairs)
+    assert sorted(p for p in slots.tolist() if p >= 0) == [i for i in range(pairs) if 0 <= flat[i] < experts]
+    for b in range(int(used)):
+        assert all(int(flat[p]) == int(owners[b]) for p in slots[b * block : (b + 1) * block].tolist() if p >= 0)
+    assert bool((slots[int(used) * block :] == -1).all())
+    traced = torch.compile(triton_experts.align, backend="eager", fullgraph=True)  # no host read: traces whole
+    assert all(torch.equal(a, b) for a, b in zip(traced(flat, experts, block), (slots, owners, used), strict=True))
 
 
 @pytest.mark.parametrize("name", ["w8a8_linear", "w8a16_linear"])

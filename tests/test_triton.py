@@ -64,9 +64,9 @@ from hf_accel.kernels import triton_experts
 for e, n, k, groups in [(6, 40, 128, 1), (5, 70, 200, 2), (3, 33, 96, 3)]:  # tails in N and K; group scales
     q = torch.randint(-127, 128, (e, n, k), dtype=torch.int8, generator=gen)
     s = torch.rand(e, n, groups, generator=gen) / 50
-    for rows, j in [(1, 2), (4, 3), (7, 1)]:
+    for rows, j in [(1, 2), (4, 3), (7, 1), (40, 8)]:  # decode; a verification chunk; a prompt (blocks of 16 pairs)
         ids = torch.randint(-1, e + 1, (rows, j), generator=gen)  # -1 and e: no expert, zeros
-        for dtype, atol in ((torch.float32, 2e-5), (torch.float16, 2e-2)):
+        for dtype, atol in ((torch.float32, 5e-5), (torch.float16, 5e-2)):  # |out| ~ 30: fp16's ulp there is 0.016
             x = torch.randn(rows, k, generator=gen).to(dtype)
             got = triton_experts.int8_experts_linear(x, ids, q, s)
             assert got.dtype == dtype

@@ -164,7 +164,8 @@ def int8_experts_linear(
 
     Up to :data:`EXPERTS_GATHER_PAIRS` pairs (decode), or while a CUDA graph is being captured, each pair's weights
     are gathered and de-quantized and one batched matmul runs: no host sync. More pairs (prefill) are grouped by
-    expert after one host read of the counts (the gathered copies would outgrow the experts themselves)."""
+    expert after one host read of the counts (the gathered copies would outgrow the experts themselves). On CUDA
+    the Triton kernel (:mod:`hf_accel.kernels.triton_experts`) runs instead where Triton loads."""
     num_experts, n, k = qweight.shape
     rows, j = expert_ids.shape
     flat = expert_ids.reshape(-1)  # [P]
