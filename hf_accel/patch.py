@@ -26,8 +26,9 @@ from .generate import bind_generate
 from .native.apply import apply_native, executor_declines, native_unavailable
 from .native.half import HALF_DTYPES
 from .paged.apply import apply_paged, bind_paged, plain_paged
-from .quant.apply import apply_int8
+from .quant.apply import apply_int8, record_int8_experts
 from .quant.bnb import is_bnb_linear
+from .quant.experts import Int8Experts
 from .quant.linear import Int8Linear
 from .quant.quanto import is_quanto_linear
 from .speculative.apply import apply_speculative, bind_speculative
@@ -205,6 +206,10 @@ def patch_model(model: nn.Module, config: AccelConfig | None = None, **feature_o
 def _choose_experts(model: nn.Module, parts: ModelParts, recorder: Recorder) -> None:
     """Say in ``patch_report`` what runs a mixture of experts' MoE layers: Transformers' experts implementation."""
     if not parts.moe_layers:
+        return
+    loaded = next((layer.experts for layer in parts if isinstance(layer.experts, Int8Experts)), None)
+    if loaded is not None:  # a model loaded int8 (from_pretrained(quantization_config=Int8Config()), load_quantized)
+        record_int8_experts(recorder, loaded.choices["down_proj"].impl, "loaded int8")
         return
     impl = getattr(model.config, "_experts_implementation", None) or "eager"
     recorder.choose(

@@ -137,6 +137,9 @@ def test_quantize_while_loading_equals_patching_and_round_trips(tmp_path, arch):
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
         with torch.no_grad():
             assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits, logits)
+        patched = hf_accel.patch_model(reloaded)  # the lossless features on the loaded int8 model; the report says so
+        experts = hf_accel.patch_report(patched)["implementations"]["moe"]["experts"]
+        assert experts["uses"].startswith("hf_accel Int8Experts (") and experts["why"].startswith("loaded int8: ")
         grouped = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
         assert _experts(grouped, arch)[0].group_size == 32
     finally:

@@ -34,6 +34,7 @@ __all__ = [
     "int8_targets",
     "quantize_linears",
     "quantize_moe_experts",
+    "record_int8_experts",
     "resolve_backend",
 ]
 
@@ -246,16 +247,21 @@ def _record_experts_choice(recorder: Recorder, layer: Int8Experts, config: Int8C
     """Say in ``patch_report`` which implementation the int8 experts run, under ``int8`` and ``moe``."""
     described = layer.choices["down_proj"].describe()
     recorder.choose(FEATURE, "int8_experts_linear", described["uses"], described["why"], described["not"])
+    record_int8_experts(recorder, described["uses"], "int8=")
+    if config.activations == "int8":
+        recorder.note(FEATURE, "experts weight-only (W8A8 covers the linears)")
+
+
+def record_int8_experts(recorder: Recorder, uses: str, source: str) -> None:
+    """Say under ``patch_report(model)["implementations"]["moe"]["experts"]`` that :class:`Int8Experts` run the MoE
+    layers (``source``: what made them: ``int8=``, or a model loaded int8)."""
     recorder.choose(
         "moe",
         "experts",
-        f"hf_accel Int8Experts ({described['uses']})",
-        "int8=: the experts' int8 rows read by int8_experts_linear (the (token, expert) pairs grouped by expert on "
-        "the CPU; the expert read on the device on CUDA)",
+        f"hf_accel Int8Experts ({uses})",
+        f"{source}: the experts' int8 rows read by int8_experts_linear (the (token, expert) pairs grouped by expert)",
         {"Transformers' experts implementations": "they read float weights; these experts are int8"},
     )
-    if config.activations == "int8":
-        recorder.note(FEATURE, "experts weight-only (W8A8 covers the linears)")
 
 
 def _note_float_experts(left: list[tuple[str, str]], recorder: Recorder) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..core.registry import ArchSpec, experts_modules, parent_and_name
+from ..kernels import portable
 from ..kernels.ops import Choice, choose, op
 from .core import quantize
 from .linear import DECODE_MAX_ROWS, KERNEL_DTYPES
@@ -157,8 +158,6 @@ class Int8Experts(nn.Module):
         if cpu and ids.numel() <= max(4 * DECODE_MAX_ROWS, 8 * self.num_experts):  # few rows per expert hit
             return choice.fn(x.float().contiguous(), ids, q, scale).to(x.dtype)
         if x.is_cpu:  # prefill-sized: a de-quantized matmul per expert hit
-            from ..kernels import portable
-
             return portable.int8_experts_linear(x, ids, q, scale)
         return choice.fn(x, ids, q, scale)
 
