@@ -5,7 +5,8 @@ plain ``generate`` (DynamicCache, sdpa), Transformers static cache + compile, hf
 compiled step (CUDA graphs on CUDA), the same with the portable attention and (on CUDA) FlexAttention instead of
 the Triton kernel, int8 weights + compiled step (on CUDA also with the de-quantize form in place of the Triton
 kernel), and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token step). The 8B
-shape runs batch 1 without the other attention candidates. Batch 32 of mixed prompt lengths: plain ``generate``,
+shape runs batch 1 without the other attention candidates, as does ``--shapes moe`` (a mixture of experts: Qwen3-30B-
+A3B's layers, 12 of them; with int8 its experts run hf_accel's Triton experts kernel). Batch 32 of mixed prompt lengths: plain ``generate``,
 Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled and ``Engine`` (with its KV
 utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
 throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
@@ -14,6 +15,7 @@ the host synchronisations per new token (CUDA's sync debug mode, one more call).
 
     python benchmarks/gpu/bench_gpu.py --device cuda --shapes 1b,8b --out OUT   # what check.sh runs
     python benchmarks/gpu/bench_gpu.py --device cpu --shapes tiny --new-tokens 8 --backend eager  # CPU smoke
+    python benchmarks/gpu/bench_gpu.py --device cuda --shapes moe --out OUT     # SKIP_TESTS=1 SHAPES=moe check.sh
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, Int8Config, PagedCache, PagedConfig, SpeculativeConfig
@@ -45,13 +47,26 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B geometry; "tiny" for CPU smoke runs
                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer (128 experts of 768, 8 per token) in 12 of its 48 layers (~7.8B parameters): a
+    # mixture of experts, run by Transformers' grouped_mm in bf16, by Int8Experts with int8= (SHAPES=moe)
+    "moe": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                num_experts=128, num_experts_per_tok=8, num_hidden_layers=12, num_attention_heads=32,
+                num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True),
 }  # fmt: skip
 PROMPT = 128
 PLAIN = dict(compile=False, native=False, speculative=SpeculativeConfig(auto=None))
 
 
 def build(shape: str, device: str, dtype: torch.dtype) -> Any:
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rope_theta=500000.0)
+    fields = dict(SHAPES[shape])
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        config = LlamaConfig(**fields, max_position_embeddings=4096, rope_theta=500000.0)
+    else:
+        config = AutoConfig.for_model(model_type, **fields, max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -336,7 +351,7 @@ def measure_shape(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     except Exception as err:
         traceback.print_exc()
         return [{"path": "build the model", "batch": 0, "error": f"{type(err).__name__}: {err}"[:300]}]
-    args.big = shape == "8b"  # the 8B shape: batch 1 and the int8 comparison only
+    args.big = shape in ("8b", "moe")  # the 8B and MoE shapes: batch 1 and the int8 comparison only
     rows = batch1(model, args.device, args.new_tokens, args)
     if not args.big and not out_of_time(args):
         rows += batch32(model, args.device, args.new_tokens, args)
