@@ -7,8 +7,8 @@ the Triton kernel, int8 weights + compiled step (on CUDA also with the de-quanti
 kernel), and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token step). The 8B
 shape runs batch 1 without the other attention candidates, as does ``--shapes moe`` (a mixture of experts:
 Qwen3-30B-A3B's layers, 12 of them; with int8 its experts run hf_accel's Triton experts kernel). Batch 32 of mixed
-prompt lengths: plain ``generate``, Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled and ``Engine`` (with its KV
-utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
+prompt lengths: plain ``generate``, Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled
+and ``Engine`` (with its KV utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
 throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
 the same batch (decode tok/s where a path has it, else throughput), whether greedy tokens equal plain's, and on CUDA
 the host synchronisations per new token (CUDA's sync debug mode, one more call).
