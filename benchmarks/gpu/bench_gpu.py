@@ -8,10 +8,10 @@ kernel), and the per-step costs of prompt lookup (a k-token verification chunk a
 shape runs batch 1 without the other attention candidates, as does ``--shapes moe`` (a mixture of experts:
 Qwen3-30B-A3B's layers, 12 of them; with int8 its experts run hf_accel's Triton experts kernel). Batch 32 of mixed
 prompt lengths: plain ``generate``, Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled
-and ``Engine`` (with its KV utilisation: tokens held over the slots of the blocks held, per step). Columns: decode tok/s (after the first token),
-throughput (all new tokens over the whole call), time to first token, peak memory, speed over plain ``generate`` at
-the same batch (decode tok/s where a path has it, else throughput), whether greedy tokens equal plain's, and on CUDA
-the host synchronisations per new token (CUDA's sync debug mode, one more call).
+and ``Engine`` (with its KV utilisation: tokens held over the slots of the blocks held, per step). Columns: decode
+tok/s (after the first token), throughput (all new tokens over the whole call), time to first token, peak memory,
+speed over plain ``generate`` at the same batch (decode tok/s where a path has it, else throughput), whether greedy
+tokens equal plain's, and on CUDA the host synchronisations per new token (CUDA's sync debug mode, one more call).
 
     python benchmarks/gpu/bench_gpu.py --device cuda --shapes 1b,8b --out OUT   # what check.sh runs
     python benchmarks/gpu/bench_gpu.py --device cpu --shapes tiny --new-tokens 8 --backend eager  # CPU smoke
