@@ -198,7 +198,7 @@ def _routing(tokens: int, experts: int, k: int, seed: int) -> tuple[torch.Tensor
     return index, weights / weights.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40])  # a decode row (the kernel), a verification chunk, a prompt
+@pytest.mark.parametrize("tokens", [1, 5, 40, 200])  # decode, a verification chunk: the kernel; prompts
 def test_int8_experts_equal_the_experts_module_on_their_own_dequantized_weights(tokens):
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
     int8 = Int8Experts.from_module(experts)

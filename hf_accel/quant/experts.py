@@ -30,6 +30,10 @@ __all__ = ["LAYOUT", "PROJECTIONS", "Int8Experts", "experts_choice", "quantize_e
 LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
 #: the experts' weights, each ``[E, out, in]``
 PROJECTIONS = ("gate_up_proj", "down_proj")
+#: the CPU kernel runs up to this many (token, expert) pairs per expert on average; above, each hit expert is
+#: de-quantized once (measured on Qwen3-30B-A3B's experts, float32, AVX-512: the kernel 375 ms against 475 at 32
+#: rows per expert, even at ~47; docs/log/2026-12-07-moe-int8.md)
+CPU_KERNEL_ROWS_PER_EXPERT = 32
 
 
 def experts_choice(group_size: int, device: torch.device | str) -> Choice:
@@ -155,9 +159,9 @@ class Int8Experts(nn.Module):
         if torch.compiler.is_dynamo_compiling():  # opaque to the compiler; on the CPU its kernel takes float32 rows
             xin = x.float() if cpu else x
             return torch.ops.hf_accel.int8_experts_linear(xin.contiguous(), ids, q, scale).to(x.dtype)
-        if cpu and ids.numel() <= max(4 * DECODE_MAX_ROWS, 8 * self.num_experts):  # few rows per expert hit
+        if cpu and ids.numel() <= max(4 * DECODE_MAX_ROWS, CPU_KERNEL_ROWS_PER_EXPERT * self.num_experts):
             return choice.fn(x.float().contiguous(), ids, q, scale).to(x.dtype)
-        if x.is_cpu:  # prefill-sized: a de-quantized matmul per expert hit
+        if x.is_cpu:  # long prompts: a de-quantized matmul per expert hit
             return portable.int8_experts_linear(x, ids, q, scale)
         return choice.fn(x, ids, q, scale)
 
