@@ -144,11 +144,14 @@ def test_portable_kernels_never_wait_for_the_device():
     slots = torch.tensor([3 * 16 + 4, -1], device=dev)
     x, q = torch.randn(2, 128, device=dev, dtype=torch.bfloat16), torch.randint(-127, 128, (64, 128), device=dev)
     q, s = q.to(torch.int8), torch.rand(64, 1, device=dev) / 50
+    experts_q = torch.randint(-127, 128, (4, 64, 128), device=dev).to(torch.int8)  # [E, N, K]
+    experts_s, ids = torch.rand(4, 64, 1, device=dev) / 50, torch.tensor([[0, 3], [3, -1]], device=dev)
     torch.cuda.synchronize()
-    from hf_accel.kernels import triton_int8, triton_paged
+    from hf_accel.kernels import triton_experts, triton_int8, triton_paged
 
     triton_paged.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)  # compile the kernels first
     triton_int8.int8_linear(x, q, s)
+    triton_experts.int8_experts_linear(x, ids, experts_q, experts_s)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -157,9 +160,12 @@ def test_portable_kernels_never_wait_for_the_device():
         y = portable.int8_linear(x, q, s)
         out2 = triton_paged.paged_attention(query, k_pool, v_pool, tables, q_pos, 0.125, 0, 0.0)
         y2 = triton_int8.int8_linear(x, q, s)
+        z = triton_experts.int8_experts_linear(x, ids, experts_q, experts_s)  # the layout is built on the device
+        z2 = portable.int8_experts_linear(x, ids, experts_q, experts_s)  # decode-sized: gathered per pair
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == out2.shape == (2, 1, 8, 64) and y.shape == y2.shape == (2, 64)
+    assert_close(z.float(), z2.float(), atol=0.1, rtol=1e-2, name="experts")  # bf16 sums in another order
 
 
 @pytest.mark.cuda

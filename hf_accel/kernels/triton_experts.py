@@ -53,7 +53,9 @@ def align(flat: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tenso
     blocks = -(count // -block) + min(num_experts, count)
     valid = (flat >= 0) & (flat < num_experts)
     keyed = torch.where(valid, flat, num_experts)  # [P] an invalid id sorts last
-    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]  # [E]
+    # [E] pairs per expert (scatter_add, not bincount: on CUDA bincount reads the largest id back to size its result)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts = counts.scatter_add_(0, keyed, torch.ones_like(keyed))[:num_experts]
     padded = (counts + block - 1) // block * block  # [E]
     ends = torch.cumsum(padded, 0)  # [E] end slot of each expert's run
     order = torch.argsort(keyed, stable=True)  # [P] pairs grouped by expert
