@@ -407,3 +407,12 @@ def test_real_model_paged_greedy_identical(default_model):
             hf_accel.unpatch_model(model)
     assert torch.equal(got, expected)
     assert cache.stats()["prompt_tokens"] == int(inputs["attention_mask"].sum())
+
+
+def test_attention_sinks_are_refused_not_dropped():
+    """GPT-OSS passes its sinks to the attention function as ``s_aux``; the paged kernels have none, so a model
+    call that brings them through a PagedCache is an error, not a softmax without them."""
+    patched = hf_accel.patch_model(tiny_model("llama"))
+    ids, mask = random_batch(1, [6])
+    with torch.no_grad(), pytest.raises(IncompatibleOptionsError, match=r"no attention sinks \(s_aux"):
+        patched(input_ids=ids, attention_mask=mask, cache=PagedCache(patched), use_cache=True, s_aux=torch.zeros(8))

@@ -42,7 +42,7 @@ from ..kernels.reference import dense_attention
 from ..kernels.tuning import CPU
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa, release_gqa
 from .interface import acquire, release
-from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer
+from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, refuse_sinks
 from .plan import StepPlan
 
 __all__ = [
@@ -151,6 +151,7 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
     ) -> tuple[torch.Tensor, Any]:
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
+            refuse_sinks(kwargs)
             return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
         # a compiled region without a plan is Transformers' own (a static cache): never a PagedCache's K/V
         layer: PagedLayer | None = None if torch.compiler.is_dynamo_compiling() else key.__dict__.get(LAYER_TAG)
@@ -159,9 +160,8 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
             function = gqa_attention if base == "sdpa" else _base_attention(module, base)
             return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
         if attention_mask is not None and not isinstance(attention_mask, PagedMask):
-            raise IncompatibleOptionsError(
-                "PagedCache does not take a custom 4D attention mask; pass a 2D padding mask"
-            )
+            raise IncompatibleOptionsError("PagedCache takes no custom 4D attention mask; pass a 2D padding mask")
+        refuse_sinks(kwargs)
         # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] (this chunk only)
         batch, _, q_len, head_dim = query.shape
         padding = attention_mask.chunk_padding(q_len) if attention_mask is not None else None

@@ -16,7 +16,7 @@ from .plan import StepPlan, context_slots
 if TYPE_CHECKING:
     from .cache import PagedCache
 
-__all__ = ["LAYER_TAG", "PAGED_ATTENTION_PREFIX", "PagedLayer", "uses_paged_attention"]
+__all__ = ["LAYER_TAG", "PAGED_ATTENTION_PREFIX", "PagedLayer", "refuse_sinks", "uses_paged_attention"]
 
 #: Attention implementations registered by hf_accel are named ``"hf_accel_paged:<base>"``.
 PAGED_ATTENTION_PREFIX = "hf_accel_paged:"
@@ -161,3 +161,17 @@ class PagedLayer(CacheLayerMixin):
         k = self.keys.view(flat).index_select(0, slots).transpose(0, 1)
         v = self.values.view(flat).index_select(0, slots).transpose(0, 1)
         return k, v
+
+
+def refuse_sinks(kwargs: dict[str, Any]) -> None:
+    """Attention sinks (``s_aux``: GPT-OSS) change the softmax and the paged kernels have none: refuse them (the
+    attention function's keyword arguments) rather than drop them.
+
+    Raises:
+        IncompatibleOptionsError: sinks were passed.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise IncompatibleOptionsError(
+            "hf_accel's paged attention has no attention sinks (s_aux, as GPT-OSS passes); run this model without "
+            "a PagedCache (paged=False)"
+        )
