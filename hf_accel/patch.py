@@ -96,7 +96,8 @@ def _cpu_refusal(model: nn.Module) -> str | None:
 
 def _float_linears(model: nn.Module) -> bool:
     """Whether the decoder's linears are float ``nn.Linear`` (not int8 already: then an int8 draft saves nothing)."""
-    quantized = any(isinstance(m, Int8Linear) or is_bnb_linear(m) or is_quanto_linear(m) for m in model.modules())
+    quantized = any(isinstance(m, (Int8Linear, Int8Experts)) or is_bnb_linear(m) or is_quanto_linear(m)
+                    for m in model.modules())  # fmt: skip
     return not quantized and bool(decoder_linears(model, get_spec(model)))
 
 

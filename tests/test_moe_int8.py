@@ -200,3 +200,17 @@ def test_bfloat16_model_runs_the_experts_kernel_on_float32_copies_of_its_rows():
     assert got.dtype == torch.bfloat16 and _experts(model)[0].gate_up_proj_scale.dtype == torch.float32
     # the twin rounds its products to bf16 where the kernel sums in float32: a relative difference of bf16's order
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_an_int8_draft_of_an_int8_model_is_refused_unless_it_cuts_layers(arch):
+    """It would be the target itself: pure overhead, so an error that says what to do; cutting layers still drafts."""
+    model = hf_accel.patch_model(tiny_model(arch), int8=True)
+    ids, mask = random_batch(1, [6])
+    with pytest.raises(IncompatibleOptionsError, match=r"int8 already: the draft would be the target itself"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, speculative=SelfSpeculative("int8"),
+                       **NO_EOS)  # fmt: skip
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **NO_EOS)
+    cut = SelfSpeculative("int8", layers=[0])
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, speculative=cut, **NO_EOS),
+                       expected)  # fmt: skip

@@ -22,7 +22,7 @@ from ..core.recorder import Recorder
 from ..core.registry import experts_modules, get_spec, parent_and_name
 from ..core.state import plain_copy
 from ..native.growing import to_growing
-from ..quant.apply import quantize_linears
+from ..quant.apply import int8_targets, quantize_linears
 from ..quant.experts import quantize_experts
 from .draft import DraftModel
 from .ragged import RaggedCache
@@ -208,19 +208,27 @@ class SelfSpeculative(DraftModel):
                 "sharded by tensor parallelism; speculate with prompt_lookup=True or a separate draft_model"
             )
         # every feature's instance changes undone on the copy, the target untouched; a mixture of experts' experts
-        # (no feature changes them) are shared, not copied: most of such a model's bytes. An int8 draft then builds
-        # int8 experts of its own from them (a quarter of the bytes to read), a dtype draft converts a copy.
+        # (float, or an int8 target's Int8Experts) are shared, not copied: most of such a model's bytes. An int8 draft
+        # then builds int8 experts of its own from float ones (a quarter of the bytes to read), a dtype draft
+        # converts a copy.
         experts = experts_modules(target, get_spec(target)) if not isinstance(weights, torch.dtype) else []
-        # (an int8 target's experts are Int8Experts: their int8 buffers are shared the same way)
         draft = plain_copy(target, share=[t for module in experts for t in (*module.parameters(), *module.buffers())])
-        if not (_keep_layers(draft, layers) if layers is not None else False) and weights is None:
+        cut = _keep_layers(draft, layers) if layers is not None else False
+        if not cut and weights is None:
             raise IncompatibleOptionsError(
                 "SelfSpeculative(weights=None) keeps every decoder layer: the draft would be the target itself; "
                 "drop some layers or pick cheaper weights"
             )
         if weights == "int8":  # the int8 feature's own swap, on the copy (its float weights are released)
+            floats = len(int8_targets(draft, get_spec(draft), Int8Config()))
             quantize_linears(draft, get_spec(draft), Int8Config(), Recorder())
-            quantize_experts(draft, get_spec(draft))  # int8 experts of its own, read from the shared float ones
+            floats += quantize_experts(draft, get_spec(draft))  # int8 experts of its own, from shared float ones
+            if not floats and not cut:
+                raise IncompatibleOptionsError(
+                    "SelfSpeculative(weights='int8') of a model whose linears (and experts) are int8 already: the "
+                    "draft would be the target itself; cut layers (layers=[...]), or use prompt_lookup=True or a "
+                    "draft_model"
+                )
         elif weights is not None:
             draft.to(weights)
         logger.info(
