@@ -27,6 +27,7 @@ __all__ = [
     "decoder_linears",
     "experts_modules",
     "get_spec",
+    "named_experts",
     "resolve",
     "rope_entries",
     "supported_model_types",
@@ -215,13 +216,23 @@ def decoder_linears(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Line
     ]
 
 
-def experts_modules(model: nn.Module, spec: ArchSpec) -> list[nn.Module]:
-    """The experts module of every mixture-of-experts layer of ``model`` (patched or not: no feature replaces them;
-    empty for a dense architecture)."""
+def named_experts(model: nn.Module, spec: ArchSpec) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the experts module of every mixture-of-experts layer of ``model``
+    (``model.layers.1.mlp.experts``: Transformers' float experts, or the ``Int8Experts`` the int8 feature or an int8
+    load put there); empty for a dense architecture."""
     if spec.experts is None:
         return []
-    found = (_experts(get_attr_path(layer, spec.mlp), spec) for layer in get_attr_path(model, spec.layers))
-    return [experts for experts in found if experts is not None]
+    found = []
+    for index, layer in enumerate(get_attr_path(model, spec.layers)):
+        experts = _experts(get_attr_path(layer, spec.mlp), spec)
+        if experts is not None:
+            found.append((f"{spec.layers}.{index}.{spec.mlp}.{spec.experts}", experts))
+    return found
+
+
+def experts_modules(model: nn.Module, spec: ArchSpec) -> list[nn.Module]:
+    """The experts module of every mixture-of-experts layer of ``model`` (:func:`named_experts` without the names)."""
+    return [experts for _, experts in named_experts(model, spec)]
 
 
 def _routers(model: nn.Module, spec: ArchSpec) -> set[str]:

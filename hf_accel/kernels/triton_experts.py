@@ -23,10 +23,8 @@ import torch
 __all__ = ["PORTABLE_WHY_NOT", "WHY", "align", "int8_experts_linear", "load"]
 
 #: what :func:`hf_accel.kernels.ops.choose` says of this kernel, and of the portable implementation beside it
-WHY = (
-    "a Triton kernel over the (token, expert) pairs grouped by expert on the device: each hit expert's int8 rows read "
-)
-WHY += "once per block of pairs, no host sync (CUDA-graph safe)"
+WHY = ("a Triton kernel over the (token, expert) pairs grouped by expert on the device: each hit expert's int8 rows "
+       "read once per block of pairs, no host sync (CUDA-graph safe)")  # fmt: skip
 PORTABLE_WHY_NOT = "de-quantizes a gathered copy of each pair's weights, or reads the counts on the host"
 
 BLOCK_N, BLOCK_K = 64, 64

@@ -18,7 +18,7 @@ from ..core.config import Int8Config
 from ..core.dispatch import TPRowwise, check_resident, is_sharded, local_tensor, tp_group, tp_style, transfer_hook
 from ..core.errors import IncompatibleOptionsError
 from ..core.recorder import Recorder
-from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path, parent_and_name
+from ..core.registry import ArchSpec, ModelParts, decoder_linears, get_attr_path, named_experts, parent_and_name
 from .bnb import bnb_dequantize, bnb_module, is_bnb_linear, to_bnb_linear
 from .codes import Codes, find_codes
 from .core import dequantize, quantize
@@ -107,22 +107,28 @@ def _swap(
     recorder: Recorder,
     model: nn.Module,
     name: str,
-    linear: nn.Linear,
+    old: nn.Module,
     new: nn.Module,
     keep: bool,
-    dequant: Callable[[torch.dtype], torch.Tensor],
+    dequant: Callable[[str, torch.dtype], torch.Tensor],
+    weights: tuple[str, ...] = ("weight",),
+    kind: tuple[str, str] = ("Linear", "weight"),
 ) -> None:
+    """Put ``new`` in module ``name``'s place (``old``'s accelerate hook moved over), recorded, and release ``old``'s
+    float ``weights``; undoing gives them back: the originals with ``keep``, else ``dequant(weight name, dtype)``.
+    ``kind``: how the report names the module and its weights."""
     parent, attr = parent_and_name(model, name)
-    transfer_hook(linear, new)
-    recorder.set_submodule(FEATURE, parent, attr, new, f"Linear -> {type(new).__name__}")
-    weight = linear.weight
-    dtype = weight.dtype
-    original = weight.data if keep else None  # only a kept weight may stay referenced: the rest must be freed
+    transfer_hook(old, new)
+    recorder.set_submodule(FEATURE, parent, attr, new, f"{kind[0]} -> {type(new).__name__}")
+    params = [getattr(old, weight) for weight in weights]
+    originals = [p.data for p in params] if keep else None  # only kept weights may stay referenced: free the rest
 
     def restore() -> None:
-        weight.data = original if original is not None else dequant(dtype)
+        for i, (param, weight) in enumerate(zip(params, weights, strict=True)):
+            param.data = originals[i] if originals is not None else dequant(weight, param.dtype)
 
-    recorder.release(FEATURE, "float weight released" if not keep else "float weight kept", [weight], restore)
+    what = f"float {kind[1]} kept" if keep else f"float {kind[1]} released"
+    recorder.release(FEATURE, what, params, restore)
 
 
 def _note_exact_codes(model: nn.Module, recorder: Recorder) -> None:
@@ -188,11 +194,8 @@ def quantize_moe_experts(
         IncompatibleOptionsError: ``config.group_size`` does not divide an experts projection's input features.
     """
     left: list[tuple[str, str]] = []
-    for layer in parts:
-        if layer.experts is None:
-            continue
-        name = f"{layer.mlp_path}.{parts.spec.experts}"  # e.g. model.layers.1.mlp.experts
-        experts = get_attr_path(model, name)
+    found = named_experts(model, parts.spec)
+    for name, experts in found:  # e.g. model.layers.1.mlp.experts
         why = int8_experts_kept(name, experts, config, backend)
         if why is not None:
             left.append((name, why))
@@ -205,8 +208,9 @@ def quantize_moe_experts(
                 f"{name}: {err}; choose a group_size that divides it, or leave these experts in float with "
                 f"Int8Config(skip_modules=[{name!r}])"
             ) from None
-        _swap_experts(recorder, model, name, experts, new, config.keep_original)
-    if len(left) < len(parts.moe_layers):
+        _swap(recorder, model, name, experts, new, config.keep_original, new.dequantized, PROJECTIONS,
+              ("experts", "experts"))  # fmt: skip
+    if len(left) < len(found):
         _record_experts_choice(recorder, new, config)
     if left:
         _note_float_experts(left, recorder)
@@ -225,22 +229,6 @@ def int8_experts_kept(name: str, experts: nn.Module, config: Int8Config, backend
     except TypeError as err:
         return str(err)
     return None
-
-
-def _swap_experts(
-    recorder: Recorder, model: nn.Module, name: str, experts: nn.Module, new: Int8Experts, keep: bool
-) -> None:
-    parent, attr = parent_and_name(model, name)
-    transfer_hook(experts, new)
-    recorder.set_submodule(FEATURE, parent, attr, new, "experts -> Int8Experts")
-    weights = [getattr(experts, proj) for proj in PROJECTIONS]
-    originals = [w.data for w in weights] if keep else None  # only kept weights may stay referenced
-
-    def restore() -> None:
-        for i, (weight, proj) in enumerate(zip(weights, PROJECTIONS, strict=True)):
-            weight.data = originals[i] if originals is not None else new.dequantized(proj, weight.dtype)
-
-    recorder.release(FEATURE, "float experts kept" if keep else "float experts released", weights, restore)
 
 
 def _record_experts_choice(recorder: Recorder, layer: Int8Experts, config: Int8Config) -> None:
@@ -301,11 +289,13 @@ def quantize_linears(
             continue
         if backend == "bitsandbytes":
             new = to_bnb_linear(linear, config.threshold)
-            _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: bnb_dequantize(m, dt))
+            _swap(recorder, model, name, linear, new, config.keep_original, lambda _, dt, m=new: bnb_dequantize(m, dt))
             continue
         if backend == "quanto":
             new = to_quanto_linear(linear)
-            _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: quanto_dequantize(m, dt))
+            _swap(
+                recorder, model, name, linear, new, config.keep_original, lambda _, dt, m=new: quanto_dequantize(m, dt)
+            )
             continue
         try:
             new = Int8Linear.from_module(linear, config.group_size, config.activations).to(linear.weight.device)
@@ -316,7 +306,9 @@ def quantize_linears(
         _record_choice(recorder, new, linear.weight.device)
         if name == head_name and tied:
             _tie_embedding(model, spec, embed, new, recorder)
-        _swap(recorder, model, name, linear, new, config.keep_original, lambda dt, m=new: dequantize(m.quantized, dt))
+        _swap(
+            recorder, model, name, linear, new, config.keep_original, lambda _, dt, m=new: dequantize(m.quantized, dt)
+        )
 
 
 def _record_choice(recorder: Recorder, layer: Int8Linear, device: torch.device) -> None:

@@ -4,10 +4,10 @@ Transformers keeps a MoE layer's experts as two 3-D parameters (``gate_up_proj [
 run by its experts implementation. :class:`Int8Experts` holds them as int8 tensors of the same names and shapes plus
 float32 scales (``gate_up_proj_scale [E, 2I, G]``, ``down_proj_scale [E, H, G']``: a checkpoint's keys, as
 Transformers' FP8 experts name theirs) and takes the same call as Transformers' module. Its two products are the op
-``int8_experts_linear`` (:mod:`hf_accel.kernels.ops`): on the CPU a native kernel that groups the (token, expert)
-pairs by expert and reads each hit expert's int8 rows once, on CUDA a Triton kernel that reads each pair's expert on
-the device (no host sync: CUDA-graph safe). The int8 feature swaps every MoE layer's experts for one; a
-self-speculative int8 draft builds its own from the target's float experts.
+``int8_experts_linear`` (:mod:`hf_accel.kernels.ops`), which groups the (token, expert) pairs by expert and reads
+each hit expert's int8 rows once: on the CPU a native kernel, on CUDA a Triton kernel that lays the pairs out on the
+device (no host sync: CUDA-graph safe). The int8 feature swaps every MoE layer's experts for one; a self-speculative
+int8 draft builds its own from the target's float experts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.registry import ArchSpec, experts_modules, parent_and_name
+from ..core.registry import ArchSpec, named_experts, parent_and_name
 from ..kernels import portable
 from ..kernels.ops import Choice, choose, op
 from .core import quantize
@@ -181,11 +181,13 @@ class Int8Experts(nn.Module):
 
 
 def quantize_experts(model: nn.Module, spec: ArchSpec) -> int:
-    """Replace every MoE layer's experts module of ``model`` by an :class:`Int8Experts` (on the experts' device), in
-    place and unrecorded: for a private copy such as a self-speculative draft. Returns how many were replaced."""
-    targets = {id(module) for module in experts_modules(model, spec) if not isinstance(module, Int8Experts)}
-    names = [name for name, module in model.named_modules() if id(module) in targets]
-    for name in names:  # e.g. model.layers.1.mlp.experts
-        parent, attr = parent_and_name(model, name)
-        setattr(parent, attr, Int8Experts.from_module(getattr(parent, attr)))
-    return len(names)
+    """Replace every float experts module of ``model``'s MoE layers by an :class:`Int8Experts` (on the experts'
+    device), in place and unrecorded: for a private copy such as a self-speculative draft. Returns how many were
+    replaced."""
+    replaced = 0
+    for name, experts in named_experts(model, spec):
+        if not isinstance(experts, Int8Experts):
+            parent, attr = parent_and_name(model, name)
+            setattr(parent, attr, Int8Experts.from_module(experts))
+            replaced += 1
+    return replaced

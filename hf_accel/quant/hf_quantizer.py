@@ -27,7 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..core.config import Int8Config
 from ..core.errors import CheckpointError, IncompatibleOptionsError
 from ..core.recorder import Recorder
-from ..core.registry import ArchSpec, get_attr_path, parent_and_name, resolve
+from ..core.registry import ArchSpec, get_attr_path, named_experts, parent_and_name, resolve
 from .apply import can_tie_embedding, int8_experts_kept, int8_targets, quantize_linears
 from .core import QuantizedWeight, quantize
 from .experts import PROJECTIONS, Int8Experts
@@ -209,7 +209,7 @@ class Int8HfQuantizer(HfQuantizer):
             setattr(parent, attr, layer)
             if name == spec.lm_head and tied:  # a saved int8 pair: the lookup reads the head's int8 rows
                 _tie_placeholder(model, spec, layer)
-        _experts_placeholders(model, resolve(model), options)
+        _experts_placeholders(model, spec, options)
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -249,18 +249,15 @@ class Int8HfQuantizer(HfQuantizer):
         return True
 
 
-def _experts_placeholders(model: nn.Module, parts: Any, options: Int8Config) -> None:
+def _experts_placeholders(model: nn.Module, spec: ArchSpec, options: Int8Config) -> None:
     """Each MoE layer's experts (minus those ``skip_modules`` names, or stored another way) -> an
     :class:`Int8Experts` on the meta device: its int8 ``gate_up_proj`` / ``down_proj`` and ``_scale`` tensors load
     from an int8 checkpoint, or from a float one's 3-D weights quantized as they arrive."""
-    for layer in parts:
-        if layer.experts is None:
-            continue
-        name = f"{layer.mlp_path}.{parts.spec.experts}"
-        if int8_experts_kept(name, layer.experts, options, "native") is not None:
+    for name, experts in named_experts(model, spec):
+        if int8_experts_kept(name, experts, options, "native") is not None:
             continue
         try:
-            placeholder = Int8Experts.placeholder(layer.experts, options.group_size)
+            placeholder = Int8Experts.placeholder(experts, options.group_size)
         except ValueError as err:
             raise IncompatibleOptionsError(
                 f"{name}: {err}; choose a group_size that divides it, or Int8Config(skip_modules=[{name!r}])"
