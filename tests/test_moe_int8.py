@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from helpers import EOS, MOE_ARCHS, assert_close, random_batch, tiny_model
+from helpers import EOS, MOE_ARCHS, assert_close, generate_in_threads, random_batch, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -177,6 +177,14 @@ def test_an_int8_checkpoint_with_float_experts_still_loads_and_a_bad_one_is_refu
     save_file(tensors, str(path), metadata={"format": "1"})
     with pytest.raises(CheckpointError, match=r"experts.gate_up_proj' must be int8, got torch.float32"):
         hf_accel.load_quantized(tmp_path)
+
+
+def test_int8_moe_in_threads_equals_one_at_a_time():
+    model = hf_accel.patch_model(tiny_model("mixtral"), int8=True)
+    batches = [random_batch(2, seed=s) for s in range(3)]
+    expected = [model.generate(input_ids=i, attention_mask=m, max_new_tokens=8, **NO_EOS) for i, m in batches]
+    got = generate_in_threads(model, batches, max_new_tokens=8, **NO_EOS)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
 
 def test_int8_moe_engine_equals_generate():

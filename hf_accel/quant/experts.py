@@ -31,8 +31,8 @@ LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_conca
 #: the experts' weights, each ``[E, out, in]``
 PROJECTIONS = ("gate_up_proj", "down_proj")
 #: the CPU kernel runs up to this many (token, expert) pairs per expert on average; above, each hit expert is
-#: de-quantized once (measured on Qwen3-30B-A3B's experts, float32, AVX-512: the kernel 375 ms against 475 at 32
-#: rows per expert, even at ~47; docs/log/2026-12-07-moe-int8.md)
+#: de-quantized once (Qwen3-30B-A3B's experts, float32, AVX-512: the kernel 277 ms against 353 at 32 pairs per
+#: expert, the two meeting near 45; ``benchmarks/bench_int8_experts.py switch``, docs/log/2026-12-07-moe-int8.md)
 CPU_KERNEL_ROWS_PER_EXPERT = 32
 
 
