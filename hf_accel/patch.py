@@ -28,7 +28,7 @@ from .native.half import HALF_DTYPES
 from .paged.apply import apply_paged, bind_paged, plain_paged
 from .quant.apply import apply_int8, record_int8_experts
 from .quant.bnb import is_bnb_linear
-from .quant.experts import Int8Experts
+from .quant.experts import Int8Experts, check_layout
 from .quant.linear import Int8Linear
 from .quant.quanto import is_quanto_linear
 from .speculative.apply import apply_speculative, bind_speculative
@@ -213,13 +213,18 @@ def _choose_experts(model: nn.Module, parts: ModelParts, recorder: Recorder) -> 
         record_int8_experts(recorder, loaded.choices["down_proj"].impl, "loaded int8")
         return
     impl = getattr(model.config, "_experts_implementation", None) or "eager"
+    try:
+        check_layout(next(layer.experts for layer in parts if layer.experts is not None))
+        int8 = "runs with int8= (the int8 feature swaps the experts too)"
+    except TypeError as err:
+        int8 = f"int8= leaves these experts in float: {err}"
     recorder.choose(
         "moe",
         "experts",
         f"Transformers' {impl!r} experts implementation (at patch time; model.set_experts_implementation changes it)",
-        f"{len(parts.moe_layers)} MoE layers: hf_accel has no experts kernel of its own; its features run around them",
+        f"{len(parts.moe_layers)} MoE layers in float: hf_accel's features run around them",
         {"fused gated MLP": "experts are 3-D parameters picked per token, not gate / up linears",
-         "hf_accel Int8Experts": "runs with int8= (the int8 feature swaps the experts too)"},
+         "hf_accel Int8Experts": int8},
     )  # fmt: skip
 
 

@@ -44,6 +44,20 @@ _MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_
 #: per-architecture settings that make two layers show what the architecture does
 _TINY_ARCH = {
     **dict.fromkeys(MOE_ARCHS, _MOE),  # glm4_moe's, ernie4_5_moe's and exaone_moe's layer 0 stays dense
+    # layers alternate sliding (a window shorter than the tests' contexts) and full, each with attention sinks
+    "gpt_oss": dict(
+        _MOE,
+        sliding_window=6,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "smollm3": dict(no_rope_layer_interval=2),  # layer 1 is a NoPE layer (the default puts one in every 4th)
     # queries scaled by position from position 8 on (Llama 4's attention scaling; from 16,384 by default)
     "ministral3": dict(
@@ -81,6 +95,12 @@ def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float3
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
     return model.eval()
+
+
+def sink_logits(heads: int) -> torch.Tensor:
+    """Attention-sink logits ``[heads]`` (GPT-OSS's ``s_aux``) from well below to well above the test scores, so some
+    heads' sinks take most of the softmax and others almost none."""
+    return torch.linspace(-3.0, 6.0, heads)
 
 
 def random_batch(batch: int, lengths: list[int] | None = None, seed: int = 0, max_len: int = 12):

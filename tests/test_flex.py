@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import PAD, assert_close, generate_in_threads, random_batch, tiny_model
+from helpers import PAD, assert_close, generate_in_threads, random_batch, sink_logits, tiny_model
 from torch.nn.attention.flex_attention import flex_attention
 
 import hf_accel
@@ -95,11 +95,12 @@ def test_block_mask_lists_each_rows_live_blocks():
     "batch,heads,kv_heads,q_len,dim,block",
     [(1, 4, 4, 1, 16, 16), (4, 8, 2, 1, 32, 16), (5, 8, 2, 3, 32, 16), (3, 6, 1, 4, 16, 32), (2, 4, 2, 16, 64, 16)],
 )
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 20.0)])
-def test_flex_paged_attention_matches_the_reference(batch, heads, kv_heads, q_len, dim, block, window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (5, 0.0, False), (0, 20.0, False), (5, 0.0, True)])
+def test_flex_paged_attention_matches_the_reference(batch, heads, kv_heads, q_len, dim, block, window, softcap, sinks):
     args = _case(batch, heads, kv_heads, q_len, dim, block)
-    expected = reference.paged_attention(*args, 0.3, window, softcap)
-    got = EAGER(*args, 0.3, window, softcap)
+    sink = sink_logits(heads) if sinks else None  # through the log-sum-exp FlexAttention returns
+    expected = reference.paged_attention(*args, 0.3, window, softcap, sink)
+    got = EAGER(*args, 0.3, window, softcap, sink)
     assert_close(got, expected, atol=2e-6, rtol=1e-5, name="flex paged attention")  # fp32: summation order
     padding = args[4] < 0
     assert torch.equal(got[padding], torch.zeros_like(got[padding]))

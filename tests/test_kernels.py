@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, sink_logits
 
 from hf_accel.kernels import portable, reference, triton_experts
 from hf_accel.kernels.build import cpu_isas
@@ -113,13 +113,15 @@ def test_quantize_activations_bitwise_like_reference():
 
 @pytest.mark.parametrize("fn", _params("paged_attention"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_against_reference(fn, dtype):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_paged_attention_against_reference(fn, dtype, sinks):
     torch.manual_seed(0)
     pools = torch.randn(2, 12, 8, 2, 16).to(dtype)  # K and V: [NB, BS, H_kv, D]
     query = torch.randn(3, 4, 2, 16).to(dtype)  # [B, H_q, Q, D]
     tables = torch.tensor([[5, 2, 0], [7, 0, 0], [1, 3, 9]], dtype=torch.int32)
     q_pos = torch.tensor([[5, 6], [-1, -1], [20, 21]], dtype=torch.int32)  # row 1: padding only
-    args = (query, pools[0], pools[1], tables, q_pos, 0.25, 0, 0.0)
+    sink = sink_logits(4).to(dtype) if sinks else None  # GPT-OSS's sinks, in the model's dtype
+    args = (query, pools[0], pools[1], tables, q_pos, 0.25, 0, 0.0, sink)
     expected = reference.paged_attention(*args)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # online softmax in fp32, output rounded to the pool's dtype
     assert_close(fn(*args).float(), expected.float(), atol=tol, rtol=tol, name=f"paged attention {dtype}")

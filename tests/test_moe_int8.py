@@ -33,11 +33,19 @@ def _dequantized_twin(arch: str, **config) -> torch.nn.Module:
     return hf_accel.unpatch_model(twin)
 
 
+#: GPT-OSS stores its experts biased, transposed and interleaved: the int8 feature leaves them in float
+OTHER_LAYOUT = ("gpt_oss",)
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_int8_experts_compute_the_float_model_on_their_dequantized_weights(arch):
     ids, mask = random_batch(3, [4, 11, 8], seed=3)
     model = hf_accel.patch_model(tiny_model(arch), int8=True)
-    assert all(isinstance(m, Int8Experts) for m in _experts(model, arch)) and _experts(model, arch)
+    kind = type(tiny_model(arch).model.layers[-1].mlp.experts) if arch in OTHER_LAYOUT else Int8Experts
+    assert all(type(m) is kind for m in _experts(model, arch)) and _experts(model, arch)
+    if arch in OTHER_LAYOUT:
+        note = f"experts left in float ({kind.__name__} stores its experts as"
+        assert any(n.startswith(note) for n in hf_accel.patch_report(model)["changes"]["int8"])
     twin = _dequantized_twin(arch)
     with torch.no_grad():
         got, want = model(input_ids=ids, attention_mask=mask).logits, twin(input_ids=ids, attention_mask=mask).logits

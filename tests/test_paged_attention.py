@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, sink_logits
 
 from hf_accel.kernels.ops import choose
 from hf_accel.kernels.reference import dense_attention
@@ -36,23 +36,26 @@ def _scattered_pool(lengths: list[int], block_size: int, kv_heads: int, dim: int
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("lengths", "q_len", "window", "softcap"),
+    ("lengths", "q_len", "window", "softcap", "sinks"),
     [
-        ([1, 16, 17, 70], 1, 0, 0.0),  # decode: shorter than, exactly, just past and many blocks
-        ([5, 33, 100], 4, 0, 0.0),  # speculative verification: several queries per row
-        ([40, 90], 3, 8, 0.0),  # sliding window crossing block edges
-        ([20, 64], 1, 0, 30.0),  # Gemma-2 style logit softcapping
+        ([1, 16, 17, 70], 1, 0, 0.0, False),  # decode: shorter than, exactly, just past and many blocks
+        ([5, 33, 100], 4, 0, 0.0, False),  # speculative verification: several queries per row
+        ([40, 90], 3, 8, 0.0, False),  # sliding window crossing block edges
+        ([20, 64], 1, 0, 30.0, False),  # Gemma-2 style logit softcapping
+        ([1, 33, 200], 2, 0, 0.0, True),  # GPT-OSS's attention sinks, across the merge of context splits
+        ([40, 90], 3, 8, 0.0, True),  # sinks on a sliding layer
     ],
 )
-def test_kernel_matches_dense_reference_fp32(lengths, q_len, window, softcap):
+def test_kernel_matches_dense_reference_fp32(lengths, q_len, window, softcap, sinks):
     heads, kv_heads, dim, bs = 6, 2, 24, 16
     k_pool, v_pool, tables, dense = _scattered_pool(lengths, bs, kv_heads, dim, torch.float32, seed=len(lengths))
     q = torch.randn(len(lengths), heads, q_len, dim, generator=torch.Generator().manual_seed(7))
     q_pos = torch.tensor([[n - q_len + j for j in range(q_len)] for n in lengths], dtype=torch.int32)
     scale = 1 / math.sqrt(dim)
-    got = KERNEL.fn(q, k_pool, v_pool, tables, q_pos, scale, window, softcap)  # [B, Q, H, D]
+    sink = sink_logits(heads) if sinks else None
+    got = KERNEL.fn(q, k_pool, v_pool, tables, q_pos, scale, window, softcap, sink)  # [B, Q, H, D]
     for row, (k, v) in enumerate(dense):
-        expected = dense_attention(q[row], k, v, q_pos[row].tolist(), scale, window, softcap)  # [H, Q, D]
+        expected = dense_attention(q[row], k, v, q_pos[row].tolist(), scale, window, softcap, sink)  # [H, Q, D]
         # fp32, online softmax vs SDPA: only summation order differs
         assert_close(got[row].transpose(0, 1), expected, atol=2e-6, rtol=1e-5, name=f"row {row}")
 
@@ -97,6 +100,29 @@ def test_dense_reference_matches_explicit_softmax():
     for i, p in enumerate(positions):
         scores[:, i, (t > p) | (t <= p - 4)] = float("-inf")
     assert_close(got, scores.softmax(-1) @ vv, atol=1e-6, rtol=1e-5, name="reference")  # fp32
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_dense_reference_with_sinks_matches_gpt_oss_eager_attention(window):
+    """The reference's sinks are GPT-OSS's: Transformers' own eager attention of that model, on the same inputs."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(4, 3, 8, generator=gen),
+        torch.randn(2, 10, 8, generator=gen),
+        torch.randn(2, 10, 8, generator=gen),
+    )
+    positions = [5, 6, 9]
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.sinks = 2, sink_logits(4)
+    t = torch.arange(10)
+    pos = torch.tensor(positions)[:, None]
+    visible = (t <= pos) & ((t > pos - window) if window else True)  # [3, 10]
+    mask = torch.zeros(3, 10).masked_fill(~visible, float("-inf"))[None, None]  # additive, [1, 1, 3, 10]
+    want, _ = eager_attention_forward(module, q[None], k[None], v[None], mask, scaling=0.3)  # [1, 3, 4, 8]
+    got = dense_attention(q, k, v, positions, 0.3, window, sinks=module.sinks)  # [4, 3, 8]
+    assert_close(got, want[0].transpose(0, 1), atol=1e-6, rtol=1e-5, name="sinks")  # fp32
 
 
 class _Attn(torch.nn.Module):

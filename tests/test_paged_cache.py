@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ARCHS, EOS, NO_AUTO_SPECULATION, PAD, assert_close, chat_batch, random_batch, tiny_model
+from helpers import (
+    ARCHS,
+    EOS,
+    NO_AUTO_SPECULATION,
+    PAD,
+    assert_close,
+    chat_batch,
+    random_batch,
+    sink_logits,
+    tiny_model,
+)
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 import hf_accel
@@ -37,7 +47,9 @@ def test_greedy_identical_to_dynamic_cache(arch, batch):
     assert stats["live_tokens"] == sum(BATCHES[batch]) + batch * 11  # the last token is never fed back
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "mistral", "ministral", "olmo3", "cohere2", "exaone4"])
+@pytest.mark.parametrize(
+    "arch", ["gemma2", "gemma3_text", "mistral", "ministral", "olmo3", "cohere2", "exaone4", "gpt_oss"]
+)
 @pytest.mark.parametrize("attention", ["kernel", "gather"])
 def test_sliding_window_and_softcap_layers(arch, attention):
     if attention == "kernel" and not KERNEL.native:
@@ -409,10 +421,29 @@ def test_real_model_paged_greedy_identical(default_model):
     assert cache.stats()["prompt_tokens"] == int(inputs["attention_mask"].sum())
 
 
-def test_attention_sinks_are_refused_not_dropped():
-    """GPT-OSS passes its sinks to the attention function as ``s_aux``; the paged kernels have none, so a model
-    call that brings them through a PagedCache is an error, not a softmax without them."""
-    patched = hf_accel.patch_model(tiny_model("llama"))
-    ids, mask = random_batch(1, [6])
-    with torch.no_grad(), pytest.raises(IncompatibleOptionsError, match=r"no attention sinks \(s_aux"):
-        patched(input_ids=ids, attention_mask=mask, cache=PagedCache(patched), use_cache=True, s_aux=torch.zeros(8))
+@pytest.mark.parametrize("attention", ["auto", "batched", "gather"])
+def test_attention_sinks_in_every_paged_path(attention):
+    """GPT-OSS passes its sinks to the attention function as ``s_aux``: every paged path takes them into its softmax
+    (logits of a prompt and of the next step as the unpatched model's, and the same greedy tokens), at Transformers'
+    default init with sinks that matter (some heads' sinks take most of the softmax)."""
+    plain, patched = _pair("gpt_oss", initializer_range=0.02)
+    for model in (plain, patched):
+        for layer in model.model.layers:
+            with torch.no_grad():
+                layer.self_attn.sinks.copy_(sink_logits(layer.self_attn.sinks.numel()))
+    ids, mask = random_batch(3, [3, 17, 11], seed=5)  # longer than the sliding layers' window of 6
+    cache = PagedCache(patched, attention=attention)
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits
+        real = mask.bool()
+        assert_close(got[real], want[real], atol=1e-5, rtol=1e-4, name="prompt logits")  # fp32
+        step = torch.full((3, 1), 7)
+        wider = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        want = plain(input_ids=torch.cat([ids, step], 1), attention_mask=wider).logits[:, -1]
+        got = patched(input_ids=step, attention_mask=wider, cache=cache, use_cache=True).logits[:, -1]
+        assert_close(got, want, atol=1e-5, rtol=1e-4, name="decode logits")
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = plain.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    got = patched.generate(input_ids=ids, attention_mask=mask, cache=PagedCache(patched, attention=attention), **kwargs)
+    assert torch.equal(got, expected)

@@ -112,7 +112,7 @@ def test_greedy_identical_and_every_decode_step_compiled(lengths):
     assert torch.equal(eager, expected) and patched.forward.steps == 9
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "mistral", "gpt_oss"])  # gpt_oss: attention sinks too
 def test_other_architectures_long_contexts_and_sliding_windows(arch):
     plain, patched = _pair(arch, sliding_window=8)  # windows shorter than the context
     ids, mask = random_batch(2, [30, 5], seed=3)

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import PAD, assert_close, random_batch, tiny_model
+from helpers import PAD, assert_close, random_batch, sink_logits, tiny_model
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, PagedCache, PagedConfig, SpeculativeConfig
@@ -79,11 +79,12 @@ def _case(batch, heads, kv_heads, q_len, dim, block, dtype=torch.float32, poison
     "batch,heads,kv_heads,q_len,dim,block",
     [(1, 4, 4, 1, 16, 4), (4, 4, 2, 1, 16, 4), (5, 8, 2, 3, 32, 16), (3, 6, 1, 4, 8, 1), (2, 4, 2, 2, 64, 128)],
 )
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (5, 0.0), (0, 20.0)])
-def test_paged_attention_matches_the_reference(batch, heads, kv_heads, q_len, dim, block, window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (5, 0.0, False), (0, 20.0, False), (5, 0.0, True)])
+def test_paged_attention_matches_the_reference(batch, heads, kv_heads, q_len, dim, block, window, softcap, sinks):
     args = _case(batch, heads, kv_heads, q_len, dim, block)
-    expected = reference.paged_attention(*args, 0.3, window, softcap)
-    got = portable.paged_attention(*args, 0.3, window, softcap)
+    sink = sink_logits(heads) if sinks else None
+    expected = reference.paged_attention(*args, 0.3, window, softcap, sink)
+    got = portable.paged_attention(*args, 0.3, window, softcap, sink)
     assert torch.isfinite(got).all()
     assert_close(got, expected, atol=2e-6, rtol=1e-5, name="portable paged attention")  # fp32: summation order
     released = args[4][:, 0] < 0
@@ -135,9 +136,9 @@ def test_int8_experts_forms_match_the_reference(monkeypatch, pairs, rows, j, gro
         assert_close(compiled(x, ids, q, s).float(), got.float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (4, 0.0), (0, 20.0)])
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (4, 0.0, False), (0, 20.0, False), (4, 0.0, True)])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_chunk_attention_matches_per_row_attention(window, softcap, heads, kv_heads):
+def test_chunk_attention_matches_per_row_attention(window, softcap, sinks, heads, kv_heads):
     gen = torch.Generator().manual_seed(4)
     lengths, width = [9, 3, 0, 6], 9  # left padding; an empty (released) row
     q_pos = torch.full((4, width), -1, dtype=torch.int32)
@@ -145,12 +146,13 @@ def test_chunk_attention_matches_per_row_attention(window, softcap, heads, kv_he
         q_pos[row, width - n :] = torch.arange(n, dtype=torch.int32)
     query = torch.randn(4, heads, width, 16, generator=gen)
     key, value = torch.randn(2, 4, kv_heads, width, 16, generator=gen).unbind(0)
-    got = portable.chunk_attention(query, key, value, q_pos, 0.25, window, softcap)  # [B, Q, H_q, D]
+    sink = sink_logits(heads) if sinks else None
+    got = portable.chunk_attention(query, key, value, q_pos, 0.25, window, softcap, sink)  # [B, Q, H_q, D]
     for row, n in enumerate(lengths):
         real = slice(width - n, width)
         if n:
             want = reference.dense_attention(query[row][:, real], key[row][:, real], value[row][:, real],
-                                             list(range(n)), 0.25, window, softcap)  # fmt: skip
+                                             list(range(n)), 0.25, window, softcap, sink)  # fmt: skip
             assert_close(got[row, real], want.transpose(0, 1), atol=2e-6, rtol=1e-5, name=f"row {row}")
         assert torch.equal(got[row, : width - n], torch.zeros_like(got[row, : width - n]))  # padding: zeros
 

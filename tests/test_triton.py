@@ -20,19 +20,19 @@ SCRIPT = r"""
 import os
 import torch
 from test_portable import _case
-from helpers import assert_close
+from helpers import assert_close, sink_logits
 from hf_accel.kernels import reference, triton_paged
 
 shapes = [(1, 4, 4, 1, 16, 4), (4, 4, 2, 1, 16, 4), (5, 8, 2, 3, 32, 16), (3, 6, 1, 4, 8, 1), (2, 4, 2, 2, 64, 128),
           (3, 12, 4, 5, 24, 16)]  # MHA, GQA, verification chunks, 1-token blocks, wide blocks, head_dim 24 (padded)
 part = int(os.environ["PART"])  # two interpreter processes share the cases: one each per core
 for shape in shapes[part::2]:
-    for window, softcap in [(0, 0.0), (5, 0.0), (0, 20.0)]:
+    for window, softcap, sinks in [(0, 0.0, None), (5, 0.0, sink_logits(shape[1])), (0, 20.0, None)]:
         args = _case(*shape)  # poisoned pools (NaN / inf in a block nobody owns), -1 and stale table entries
-        expected = reference.paged_attention(*args, 0.3, window, softcap)
+        expected = reference.paged_attention(*args, 0.3, window, softcap, sinks)
         for splits in (None, 1, 2, 4):  # None: the launcher's choice (here, a split context: few programs)
-            got = triton_paged.paged_attention(*args, 0.3, window, softcap, splits=splits)
-            name = f"{shape} window={window} softcap={softcap} splits={splits}"
+            got = triton_paged.paged_attention(*args, 0.3, window, softcap, sinks, splits=splits)
+            name = f"{shape} window={window} softcap={softcap} sinks={sinks is not None} splits={splits}"
             assert_close(got, expected, atol=5e-6, rtol=1e-5, name=name)
 # float16 only: the interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584, "not supported
 # yet"); tests/test_cuda.py checks bfloat16 on a GPU

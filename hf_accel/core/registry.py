@@ -131,6 +131,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         # mixtures of experts: Transformers' experts implementation runs the MoE layers, hf_accel the rest
         *(ArchSpec(mt, experts="experts") for mt in _MOE_GATE),
         ArchSpec("phimoe", experts="experts", router="router"),
+        # attention sinks (s_aux) in every layer; experts stored [E, in, out] with biases (kept float by int8)
+        ArchSpec("gpt_oss", experts="experts", router="router"),
         ArchSpec("granitemoe", mlp="block_sparse_moe", experts="experts", router="router"),
         ArchSpec(
             "glm4",

@@ -63,14 +63,36 @@ def _flex() -> tuple[Callable[..., Any], type] | None:
 
 def _flex_call(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Callable[..., Any] | None,
-    block_mask: Any, scale: float, enable_gqa: bool,
+    block_mask: Any, scale: float, enable_gqa: bool, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``flex_attention`` behind a code object of this module's: what :func:`compile_flex` compiles, so the compile
-    cache and recompile budget are ours, not shared with a user's own ``torch.compile(flex_attention)``."""
+    cache and recompile budget are ours, not shared with a user's own ``torch.compile(flex_attention)``.
+
+    ``sinks`` ``[H_q]`` (GPT-OSS's attention sinks) join each head's softmax as one more logit that reads no value:
+    with ``lse`` the log of the scores' softmax denominator, the output scales by ``1 / (1 + exp(sink - lse))``."""
     flex_attention, _ = _flex()  # type: ignore[misc]
-    return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
-    )
+    if sinks is None:
+        return flex_attention(
+            query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+        )
+    out, lse = flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+        **_lse_kwargs(),
+    )  # fmt: skip
+    lse = lse if isinstance(lse, torch.Tensor) else lse.lse  # out: [B, H_q, Q, D]; lse: [B, H_q, Q]
+    keep = torch.sigmoid(lse - sinks.float()[None, :, None])  # a row with nothing visible: lse = -inf -> 0
+    return (out.float() * keep[..., None]).to(out.dtype)
+
+
+@functools.cache
+def _lse_kwargs() -> dict[str, Any]:
+    """How this torch's ``flex_attention`` returns the log-sum-exp (``return_aux`` from torch 2.9, else
+    ``return_lse``)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
 
 
 def compile_flex(dynamic: bool) -> Callable[..., torch.Tensor]:
@@ -154,20 +176,21 @@ def _softcap_mod(softcap: float) -> Callable[..., torch.Tensor] | None:
 
 def make_paged_attention(flex: Callable[..., Any] | None = None) -> Callable[..., torch.Tensor]:
     """Paged attention with the arguments and result of :func:`hf_accel.kernels.reference.paged_attention`, through
-    ``flex`` (called as ``flex(query, key, value, score_mod, block_mask, scale, enable_gqa)``: :func:`compile_flex`'s
-    result; ``None``: the uncompiled ``flex_attention``, for tests on small pools)."""
+    ``flex`` (called as ``flex(query, key, value, score_mod, block_mask, scale, enable_gqa, sinks)``:
+    :func:`compile_flex`'s result; ``None``: the uncompiled ``flex_attention``, for tests on small pools)."""
     flex = flex or _flex_call
 
     def paged_attention(
         query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-        q_pos: torch.Tensor, scale: float, window: int, softcap: float,
+        q_pos: torch.Tensor, scale: float, window: int, softcap: float, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        # query: [B, H_q, Q, D]; pools: [NB, BS, H_kv, D]; block_tables: [B, MB]; q_pos: [B, Q] -> [B, Q, H_q, D]
+        # query: [B, H_q, Q, D]; pools: [NB, BS, H_kv, D]; block_tables: [B, MB]; q_pos: [B, Q]; sinks: [H_q]
+        # -> [B, Q, H_q, D]
         nb, bs, kv_heads, dim = k_pool.shape
         k = k_pool.view(1, nb * bs, kv_heads, dim).transpose(1, 2)  # [1, H_kv, NB*BS, D], the pool in place
         v = v_pool.view(1, nb * bs, kv_heads, dim).transpose(1, 2)
         mask = block_mask(block_tables, q_pos, nb, bs, int(window))
-        out = flex(query, k, v, _softcap_mod(float(softcap)), mask, float(scale), query.shape[1] != kv_heads)
+        out = flex(query, k, v, _softcap_mod(float(softcap)), mask, float(scale), query.shape[1] != kv_heads, sinks)
         # out: [B, H_q, Q, D]
         return torch.where((q_pos >= 0)[:, :, None, None], out.transpose(1, 2), 0)
 
@@ -188,13 +211,13 @@ def _compiled_for(device_type: str) -> Callable[..., torch.Tensor]:
 
 def paged_attention(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """FlexAttention paged decode, compiled for the query's device (arguments and result of
     :func:`hf_accel.kernels.reference.paged_attention`); :func:`why_not` says where it runs."""
     fn = _compiled_for(query.device.type)
     try:
-        return fn(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
+        return fn(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap, sinks)
     except Exception as err:
         if type(err).__name__ != "FailOnRecompileLimitHit":
             raise

@@ -179,7 +179,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "paged_attention",
             "(Tensor query, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor q_pos, float scale, int window, "
-            "float softcap) -> Tensor",
+            "float softcap, Tensor? sinks=None) -> Tensor",
             reference.paged_attention, _attention_fake, "paged_attention", _ALL, _paged_fit,
             lambda q, k, *rest: {"dtype": q.dtype, "block_size": k.shape[1], "head_dim": q.shape[-1]},
             portable.paged_attention, triton_paged,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .reference import sink_softmax
+
 __all__ = [
     "WHY",
     "chunk_attention",
@@ -60,10 +62,11 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Ten
 
 def _attend(
     query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
-    window: int, softcap: float,
+    window: int, softcap: float, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """``query`` ``[B, H_q, Q, D]`` over finite ``k`` / ``v`` ``[B, H_kv, S, D]`` with token positions ``q_pos``
-    ``[B, Q]`` / ``k_pos`` ``[B, S]`` (-1: padding) -> ``[B, Q, H_q, D]``, zeros for padding queries."""
+    ``[B, Q]`` / ``k_pos`` ``[B, S]`` (-1: padding) and attention ``sinks`` ``[H_q]`` (or ``None``) -> ``[B, Q, H_q,
+    D]``, zeros for padding queries."""
     batch, heads, q_len, dim = query.shape
     kv_heads, length = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -71,10 +74,15 @@ def _attend(
     # grouped heads share their K/V: query head h reads K/V head h // groups
     q = query.reshape(batch, kv_heads, groups * q_len, dim)  # [B, H_kv, G*Q, D]
     mask = visible[:, None, None].expand(batch, 1, groups, q_len, length).reshape(batch, 1, groups * q_len, length)
-    if softcap > 0:
+    if softcap > 0 or sinks is not None:
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*Q, S]
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        # sinks: query head kvh * G + g at tile row g * Q + j -> [1, H_kv, G*Q, 1]
+        sink = None if sinks is None else sinks.view(kv_heads, groups, 1).expand(-1, -1, q_len)
+        sink = None if sink is None else sink.reshape(1, kv_heads, groups * q_len, 1)
+        probs = sink_softmax(scores.masked_fill(~mask, float("-inf")), sink)
+        out = torch.matmul(probs, v.float()).to(query.dtype)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H_kv, G*Q, D]
     out = out.view(batch, heads, q_len, dim).transpose(1, 2)  # [B, Q, H_q, D]
@@ -83,7 +91,7 @@ def _attend(
 
 def paged_attention(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over a block pool for the whole batch at once (the arguments and result of
     :func:`hf_accel.kernels.reference.paged_attention`).
@@ -100,19 +108,19 @@ def paged_attention(
     stored = t <= q_pos.amax(dim=1, keepdim=True)  # [B, S]
     k = torch.where(stored[:, None, :, None], k, 0)
     v = torch.where(stored[:, None, :, None], v, 0)
-    return _attend(query, k, v, q_pos, torch.where(stored, t, -1), scale, window, softcap)
+    return _attend(query, k, v, q_pos, torch.where(stored, t, -1), scale, window, softcap, sinks)
 
 
 def chunk_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int,
-    softcap: float,
+    softcap: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A batch of fresh prompts (nothing stored before this chunk) attending over their own tokens in one call.
 
     Shapes: query ``[B, H_q, Q, D]``; key / value ``[B, H_kv, Q, D]``; q_pos ``[B, Q]`` (each token's index in its
     sequence, -1 = padding: neither a query nor a key). Returns ``[B, Q, H_q, D]`` (zeros for padding).
     """
-    return _attend(query, key.to(query.dtype), value.to(query.dtype), q_pos, q_pos, scale, window, softcap)
+    return _attend(query, key.to(query.dtype), value.to(query.dtype), q_pos, q_pos, scale, window, softcap, sinks)
 
 
 def pool_write(pool: torch.Tensor, new: torch.Tensor, slots: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "panel_pack",
     "quantize_activations",
     "quantize_activations16",
+    "sink_softmax",
     "token_slots",
     "vnni_activations",
     "w8a8_exact",
@@ -214,15 +215,26 @@ def token_slots(table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
     return table.long()[t // block_size] * block_size + t % block_size
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` ``[..., S]``, with one more logit per row, ``sinks``
+    (broadcast to ``[..., 1]``; ``None``: none), that takes probability but reads no value (GPT-OSS's attention
+    sinks). A row with every score ``-inf`` gets all-zero weights when it has a sink."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], scale: float, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of queries at token ``positions`` over keys ``0..S-1`` of one sequence.
 
-    Shapes: q ``[H_q, r, D]``; k, v ``[H_kv, S, D]``; returns ``[H_q, r, D]``. Query ``i`` sees keys
-    ``t <= positions[i]`` (and ``t > positions[i] - window`` when ``window > 0``); ``softcap > 0`` applies
-    ``softcap * tanh(score / softcap)`` to the scores.
+    Shapes: q ``[H_q, r, D]``; k, v ``[H_kv, S, D]``; sinks ``[H_q]`` or ``None``; returns ``[H_q, r, D]``. Query
+    ``i`` sees keys ``t <= positions[i]`` (and ``t > positions[i] - window`` when ``window > 0``); ``softcap > 0``
+    applies ``softcap * tanh(score / softcap)`` to the scores; ``sinks`` adds one logit per head to each softmax
+    (:func:`sink_softmax`).
     """
     groups = q.shape[0] // k.shape[0]
     if groups > 1:
@@ -233,24 +245,27 @@ def dense_attention(
     if window > 0:
         visible &= t > pos - window
     causal_tail = positions == list(range(k.shape[1] - len(positions), k.shape[1]))
-    if softcap <= 0:  # 4D inputs: the 3D form misses SDPA's fused CPU kernels and takes the math path
+    if softcap <= 0 and sinks is None:  # 4D inputs: the 3D form misses SDPA's fused CPU kernels (math path)
         if causal_tail and window <= 0 and len(positions) == k.shape[1]:
             return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0]
         return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible, scale=scale)[0]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, r, S]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    probs = sink_softmax(scores, None if sinks is None else sinks[:, None, None])
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def paged_attention(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, window: int, softcap: float,
+    scale: float, window: int, softcap: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention over a block pool through block tables.
 
     Shapes: query ``[B, H_q, Q, D]``; pools ``[NB, BS, H_kv, D]``; block_tables ``[B, MB]``; q_pos ``[B, Q]``
-    (-1 = padding, which gets zeros). Returns ``[B, Q, H_q, D]``.
+    (-1 = padding, which gets zeros); sinks ``[H_q]`` (one more softmax logit per head, reading no value) or
+    ``None``. Returns ``[B, Q, H_q, D]``.
     """
     batch, heads, q_len, dim = query.shape
     block = k_pool.shape[1]
@@ -264,7 +279,7 @@ def paged_attention(
         slots = token_slots(block_tables[row], int(pos.max()) + 1, block)  # [n]
         k = flat_k.index_select(0, slots).transpose(0, 1)  # [H_kv, n, D]
         v = flat_v.index_select(0, slots).transpose(0, 1)
-        o = dense_attention(query[row][:, real], k, v, pos[real].tolist(), scale, window, softcap)  # [H_q, r, D]
+        o = dense_attention(query[row][:, real], k, v, pos[real].tolist(), scale, window, softcap, sinks)  # [H_q, r, D]
         out[row, real] = o.transpose(0, 1).to(out.dtype)
     return out
 

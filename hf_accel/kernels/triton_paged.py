@@ -59,11 +59,12 @@ def _splits(rows: int, kv_heads: int, table: int) -> int:
 
 def paged_attention(
     query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, window: int, softcap: float, splits: int | None = None,
+    scale: float, window: int, softcap: float, sinks: torch.Tensor | None = None, splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Query ``[B, H_q, Q, D]`` over pools ``[NB, BS, H_kv, D]`` through ``block_tables`` ``[B, MB]`` at ``q_pos``
-    ``[B, Q]`` (-1: padding, zeros out) -> ``[B, Q, H_q, D]``: a ``(B, H_kv, splits)`` grid, plus a merge of the
-    splits when there are several (``splits``: ``None`` picks, :func:`_splits`)."""
+    ``[B, Q]`` (-1: padding, zeros out), with attention ``sinks`` ``[H_q]`` (or ``None``) -> ``[B, Q, H_q, D]``: a
+    ``(B, H_kv, splits)`` grid, plus a merge of the splits when there are several (``splits``: ``None`` picks,
+    :func:`_splits`)."""
     batch, heads, q_len, dim = query.shape
     block, kv_heads = k_pool.shape[1], k_pool.shape[2]
     groups = heads // kv_heads
@@ -75,6 +76,7 @@ def paged_attention(
     m, dp = _pow2(groups * q_len), _pow2(dim)
     shape = dict(GROUPS=groups, QLEN=q_len, HEAD_DIM=dim, M=m, DP=dp)
     programs = _programs()
+    sink = out if sinks is None else sinks.to(torch.float32).contiguous()  # [H_q] (unread without sinks)
     partial = out
     maxes = sums = out  # unused with one split
     if splits > 1:
@@ -82,14 +84,16 @@ def paged_attention(
         sums = torch.empty_like(maxes)
         partial = torch.empty(batch, kv_heads, splits, m, dp, dtype=torch.float32, device=query.device)
     programs.paged_decode[(batch, kv_heads, splits)](
-        query, k_pool, v_pool, tables, pos, stored, partial, maxes, sums, tables.shape[1], float(scale),
+        query, k_pool, v_pool, tables, pos, stored, partial, maxes, sums, sink, tables.shape[1], float(scale),
         int(window), float(softcap or 1.0),
         *query.stride(), *k_pool.stride(), *v_pool.stride(), tables.stride(0), pos.stride(0), *out.stride(),
         BLOCK=block, BP=_pow2(block), PER=table // splits, SPLITS=splits, HAS_WINDOW=window > 0,
-        HAS_SOFTCAP=softcap > 0, IEEE=query.dtype == torch.float32, **shape,
+        HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None, IEEE=query.dtype == torch.float32, **shape,
     )  # fmt: skip
     if splits > 1:
-        programs.combine_splits[(batch, kv_heads)](maxes, sums, partial, out, *out.stride(), SPLITS=splits, **shape)
+        programs.combine_splits[(batch, kv_heads)](
+            maxes, sums, partial, out, sink, *out.stride(), SPLITS=splits, HAS_SINKS=sinks is not None, **shape
+        )
     return out
 
 

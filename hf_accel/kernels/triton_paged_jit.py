@@ -22,12 +22,23 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr)
 
 
 @triton.jit
+def _with_sinks(m_i, l_i, acc, sink_ptr, head, row_ok):
+    """Add each row's sink logit (``sink_ptr[head]``) to its softmax: rescaled ``(l_i, acc)``; rows with nothing
+    visible (``l_i == 0``: padding) stay empty, so they still come out as zeros."""
+    sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    m_f = tl.maximum(m_i, sink)
+    old = tl.exp(m_i - m_f)
+    l_f = tl.where(l_i > 0, l_i * old + tl.exp(sink - m_f), 0.0)
+    return l_f, acc * old[:, None]
+
+
+@triton.jit
 def paged_decode(
-    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, len_ptr, out_ptr, m_ptr, l_ptr, width, scale, window, softcap,
+    q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, len_ptr, out_ptr, m_ptr, l_ptr, sink_ptr, width, scale, window, softcap,
     sq_b, sq_h, sq_q, sq_d, sk_n, sk_s, sk_h, sk_d, sv_n, sv_s, sv_h, sv_d, st_b, sp_b, so_b, so_q, so_h, so_d,
     GROUPS: tl.constexpr, QLEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, M: tl.constexpr,
     DP: tl.constexpr, BP: tl.constexpr, PER: tl.constexpr, SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Program (row b, K/V head kvh, split): blocks ``split * PER ..`` of the row's table, online softmax. One split:
     the normalised output; several: the split's max, sum and unnormalised values (``combine_splits`` merges them)."""
@@ -71,6 +82,8 @@ def paged_decode(
         m_i = m_new
     keep = row_ok[:, None] & d_ok[None, :]
     if SPLITS == 1:
+        if HAS_SINKS:
+            l_i, acc = _with_sinks(m_i, l_i, acc, sink_ptr, head, row_ok)
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # padding queries: zeros
         o_off = b * so_b + qi[:, None] * so_q + head[:, None] * so_h + d[None, :] * so_d
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=keep)
@@ -83,9 +96,9 @@ def paged_decode(
 
 @triton.jit
 def combine_splits(
-    m_ptr, l_ptr, part_ptr, out_ptr, so_b, so_q, so_h, so_d,
+    m_ptr, l_ptr, part_ptr, out_ptr, sink_ptr, so_b, so_q, so_h, so_d,
     GROUPS: tl.constexpr, QLEN: tl.constexpr, HEAD_DIM: tl.constexpr, M: tl.constexpr, DP: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """Program (row b, K/V head kvh): merge the splits' partial softmaxes in order and store the output."""
     b, kvh = tl.program_id(0), tl.program_id(1)
@@ -104,8 +117,10 @@ def combine_splits(
         l_all = l_all * old + l_s * new
         acc = acc * old[:, None] + part * new[:, None]
         m_all = m_new
-    out = tl.where(l_all[:, None] > 0, acc / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
     row_ok = r < GROUPS * QLEN
     head, qi = kvh * GROUPS + r // QLEN, r % QLEN
+    if HAS_SINKS:
+        l_all, acc = _with_sinks(m_all, l_all, acc, sink_ptr, head, row_ok)
+    out = tl.where(l_all[:, None] > 0, acc / tl.where(l_all > 0, l_all, 1.0)[:, None], 0.0)
     o_off = b * so_b + qi[:, None] * so_q + head[:, None] * so_h + d[None, :] * so_d
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from ..kernels.reference import dense_attention
 from ..kernels.tuning import CPU
 from .gqa import GQA_ATTENTION, gqa_attention, register_gqa, release_gqa
 from .interface import acquire, release
-from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, refuse_sinks
+from .layer import LAYER_TAG, PAGED_ATTENTION_PREFIX, PagedLayer, Scoring
 from .plan import StepPlan
 
 __all__ = [
@@ -151,7 +150,6 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
     ) -> tuple[torch.Tensor, Any]:
         plan = kwargs.get(PLAN_KWARG)
         if plan is not None:  # a compiled decode step: the plan carries the pools (no cache in the graph)
-            refuse_sinks(kwargs)
             return _planned_attention(module, query, key, value, plan, scaling, kwargs), None
         # a compiled region without a plan is Transformers' own (a static cache): never a PagedCache's K/V
         layer: PagedLayer | None = None if torch.compiler.is_dynamo_compiling() else key.__dict__.get(LAYER_TAG)
@@ -161,19 +159,15 @@ def _make_attention_function(base: str) -> Callable[..., tuple[torch.Tensor, Non
             return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
         if attention_mask is not None and not isinstance(attention_mask, PagedMask):
             raise IncompatibleOptionsError("PagedCache takes no custom 4D attention mask; pass a 2D padding mask")
-        refuse_sinks(kwargs)
         # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] (this chunk only)
         batch, _, q_len, head_dim = query.shape
         padding = attention_mask.chunk_padding(q_len) if attention_mask is not None else None
         step = layer.cache.step_for(layer.layer_idx, batch, q_len, padding)
         layer.write(key, value, step)
-        scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-        window = kwargs.get("sliding_window") or 0
-        softcap = kwargs.get("softcap") or 0.0
+        how = Scoring.of_call(kwargs, scaling, head_dim)
         if step.packed is not None:
-            return attend_packed(layer, query, key, value, step, scale, int(window), float(softcap)), None
-        out = attend(layer, query, key, value, step, scale, int(window), float(softcap))
-        return out, None  # out: [B, Q, H_q, D]
+            return attend_packed(layer, query, key, value, step, how), None
+        return attend(layer, query, key, value, step, how), None  # [B, Q, H_q, D]
 
     paged_attention.__name__ = f"paged_attention_{base}"
     return paged_attention
@@ -192,11 +186,10 @@ def _planned_attention(
     keys, values = plan.keys, plan.values
     if isinstance(keys, tuple):  # every layer's pools (the whole step); a regional step's layer gets its own
         keys, values = keys[module.layer_idx], values[module.layer_idx]
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
+    how = Scoring.of_call(kwargs, scaling, query.shape[-1])
     return torch.ops.hf_accel.paged_decode(
         query, key, value, keys, values, plan.slots, plan.block_tables, plan.q_pos,
-        scale, window, softcap, plan.attention,
+        how.scale, how.window, how.softcap, plan.attention, how.sinks,
     )  # fmt: skip
 
 
@@ -301,9 +294,7 @@ def attend(
     key: torch.Tensor,
     value: torch.Tensor,
     step: StepPlan,
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> torch.Tensor:
     """Attention of ``query`` ([B, H_q, Q, D]) over each row's stored context; returns [B, Q, H_q, D].
 
@@ -312,12 +303,12 @@ def attend(
     """
     if _use_kernel(layer, query):
         t = step.tensors(layer.device)
-        return _kernel_attention(layer, query, t["block_tables"], t["q_pos"], scale, window, softcap)
+        return _kernel_attention(layer, query, t["block_tables"], t["q_pos"], how)
     if all(step.fresh) and _accelerator_path(layer):
         # fresh prompts on an accelerator path: one call for the batch, over the chunk's own K/V (nothing is read back)
         q_pos = step.tensors(layer.device)["q_pos"]
-        return portable.chunk_attention(query, key, value, q_pos, scale, window, softcap)
-    return gather_attention(layer, query, key, value, step, scale, window, softcap)
+        return portable.chunk_attention(query, key, value, q_pos, *how.args)
+    return gather_attention(layer, query, key, value, step, how)
 
 
 def _kernel_attention(
@@ -325,12 +316,10 @@ def _kernel_attention(
     query: torch.Tensor,
     block_tables: torch.Tensor,
     q_pos: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> torch.Tensor:
     """The native kernel over the pool: ``query`` [B, H_q, Q, D], ``q_pos`` [B, Q] (-1: padding) -> [B, Q, H_q, D]."""
-    return layer.attention.fn(query, layer.keys, layer.values, block_tables, q_pos, scale, window, softcap)
+    return layer.attention.fn(query, layer.keys, layer.values, block_tables, q_pos, *how.args)
 
 
 def _attend_row(
@@ -341,15 +330,13 @@ def _attend_row(
     k_new: torch.Tensor,
     v_new: torch.Tensor,
     positions: list[int],
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> torch.Tensor:
     """One row's queries ``q`` [H_q, r, D] at ``positions``: over its own new K/V (``k_new``/``v_new``
     [H_kv, r, D]) when the chunk is its whole context (a fresh prompt: nothing is read back), else over its
     context gathered from the pool. Returns [H_q, r, D]."""
     k, v = (k_new, v_new) if step.fresh[row] else layer.context(row, step)
-    return dense_attention(q, k, v, positions, scale, window, softcap)
+    return dense_attention(q, k, v, positions, *how.args)
 
 
 def attend_packed(
@@ -358,9 +345,7 @@ def attend_packed(
     key: torch.Tensor,
     value: torch.Tensor,
     step: StepPlan,
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> torch.Tensor:
     """Attention of a packed chunk (``query`` ``[1, H_q, N, D]``: several sequences' tokens back to back).
 
@@ -378,20 +363,20 @@ def attend_packed(
         t = packed.tensors(query.device)  # integer indices only: nothing here waits for the device
         q = q_all[t["index"]].permute(0, 2, 1, 3)  # [Rs, H_q, Qs, D]
         if _use_kernel(layer, q):
-            o = _kernel_attention(layer, q, t["tables"], t["q_pos"], scale, window, softcap)  # [Rs, Qs, H_q, D]
+            o = _kernel_attention(layer, q, t["tables"], t["q_pos"], how)  # [Rs, Qs, H_q, D]
             _scatter_real(out, o, t)
             done = set(packed.short)
             rest = [r for r in rest if r not in done]
     fresh = tuple(r for r in rest if step.fresh[r])
     if fresh and _accelerator_path(layer):  # prompts from position 0: one call for all of them
-        _attend_fresh(packed.rows_tensors(query.device, fresh), query, key, value, out, scale, window, softcap)
+        _attend_fresh(packed.rows_tensors(query.device, fresh), query, key, value, out, how)
         rest = [r for r in rest if not step.fresh[r]]
     for row in rest:
         start, n = packed.offsets[row], packed.lengths[row]
         chunk = slice(start, start + n)
         positions = step.q_pos[row, :n].tolist()
         q, k, v = query[0][:, chunk], key[0][:, chunk], value[0][:, chunk]
-        o = _attend_row(layer, step, row, q, k, v, positions, scale, window, softcap)  # [H_q, n, D]
+        o = _attend_row(layer, step, row, q, k, v, positions, how)  # [H_q, n, D]
         out[chunk] = o.transpose(0, 1).to(out.dtype)
     return out[None]
 
@@ -402,16 +387,14 @@ def _attend_fresh(
     key: torch.Tensor,
     value: torch.Tensor,
     out: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> None:
     """Packed prompt chunks that start their sequences, padded into one batch (``t``: :meth:`PackedRows.rows_tensors`)
     and attended in one call over their own K/V; results scattered into ``out`` ``[N, H_q, D]``."""
     q = query[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_q, W, D]
     k = key[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)  # [R, H_kv, W, D]
     v = value[0].transpose(0, 1)[t["index"]].permute(0, 2, 1, 3)
-    _scatter_real(out, portable.chunk_attention(q, k, v, t["q_pos"], scale, window, softcap), t)
+    _scatter_real(out, portable.chunk_attention(q, k, v, t["q_pos"], *how.args), t)
 
 
 def _scatter_real(out: torch.Tensor, o: torch.Tensor, t: dict[str, torch.Tensor]) -> None:
@@ -427,9 +410,7 @@ def gather_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     step: StepPlan,
-    scale: float,
-    window: int,
-    softcap: float,
+    how: Scoring,
 ) -> torch.Tensor:
     """The explicitly named fallback: per row, gather the context from the pool and attend densely.
 
@@ -444,6 +425,6 @@ def gather_attention(
             continue
         idx = real.to(query.device)
         k_new, v_new = key[row][:, idx], value[row][:, idx]  # [H_kv, r, D]
-        o = _attend_row(layer, step, row, query[row][:, idx], k_new, v_new, pos[real].tolist(), scale, window, softcap)
+        o = _attend_row(layer, step, row, query[row][:, idx], k_new, v_new, pos[real].tolist(), how)
         out[row, idx] = o.transpose(0, 1).to(out.dtype)  # o: [H_q, r, D]
     return out

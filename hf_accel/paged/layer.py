@@ -3,6 +3,8 @@ hands the cache, and the pool reads and writes the paged attention function does
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +18,7 @@ from .plan import StepPlan, context_slots
 if TYPE_CHECKING:
     from .cache import PagedCache
 
-__all__ = ["LAYER_TAG", "PAGED_ATTENTION_PREFIX", "PagedLayer", "refuse_sinks", "uses_paged_attention"]
+__all__ = ["LAYER_TAG", "PAGED_ATTENTION_PREFIX", "PagedLayer", "Scoring", "uses_paged_attention"]
 
 #: Attention implementations registered by hf_accel are named ``"hf_accel_paged:<base>"``.
 PAGED_ATTENTION_PREFIX = "hf_accel_paged:"
@@ -163,15 +165,32 @@ class PagedLayer(CacheLayerMixin):
         return k, v
 
 
-def refuse_sinks(kwargs: dict[str, Any]) -> None:
-    """Attention sinks (``s_aux``: GPT-OSS) change the softmax and the paged kernels have none: refuse them (the
-    attention function's keyword arguments) rather than drop them.
+@dataclass(frozen=True)
+class Scoring:
+    """How one attention call scores its keys: the arguments every paged-attention implementation takes after the
+    positions (:func:`hf_accel.kernels.reference.paged_attention`), in that order (:attr:`args`).
 
-    Raises:
-        IncompatibleOptionsError: sinks were passed.
+    Args:
+        scale: multiplies ``q . k``.
+        window: sliding window in tokens (0: none).
+        softcap: Gemma-2's ``softcap * tanh(score / softcap)`` (0: none).
+        sinks: ``[H_q]`` attention-sink logits (GPT-OSS's ``s_aux``): one more logit in each head's softmax, reading
+            no value; ``None``: none.
     """
-    if kwargs.get("s_aux") is not None:
-        raise IncompatibleOptionsError(
-            "hf_accel's paged attention has no attention sinks (s_aux, as GPT-OSS passes); run this model without "
-            "a PagedCache (paged=False)"
-        )
+
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of_call(cls, kwargs: dict[str, Any], scaling: float | None, head_dim: int) -> Scoring:
+        """From an attention function's ``scaling`` and keyword arguments (``sliding_window``, ``softcap``,
+        ``s_aux``)."""
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+        window, softcap = int(kwargs.get("sliding_window") or 0), float(kwargs.get("softcap") or 0.0)
+        return cls(float(scale), window, softcap, kwargs.get("s_aux"))
+
+    @property
+    def args(self) -> tuple[float, int, float, torch.Tensor | None]:
+        return self.scale, self.window, self.softcap, self.sinks

@@ -72,8 +72,9 @@ def _paged_decode(
     window: int,
     softcap: float,
     attention: str,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D] -> [B, Q, H_q, D]
+    # query: [B, H_q, Q, D]; key/value: [B, H_kv, Q, D]; sinks: [H_q] or None -> [B, Q, H_q, D]
     _write(k_pool, key, slots)
     _write(v_pool, value, slots)
     if attention == "native":
@@ -84,11 +85,11 @@ def _paged_decode(
         attend = flex_paged.paged_attention
     else:
         attend = portable.paged_attention if attention == "portable" else reference.paged_attention
-    return attend(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap)
+    return attend(query, k_pool, v_pool, block_tables, q_pos, scale, window, softcap, sinks)
 
 
 def _paged_decode_fake(
-    query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, attention
+    query, key, value, k_pool, v_pool, slots, block_tables, q_pos, scale, window, softcap, attention, sinks=None
 ):
     b, h, q, d = query.shape  # shapes only, for tracing
     return query.new_empty((b, q, h, d))
@@ -98,6 +99,7 @@ def define_paged_op() -> Callable[..., torch.Tensor]:
     """Define ``torch.ops.hf_accel.paged_decode`` once per process (called at patch time, never at import)."""
     schema = (
         "(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, "
-        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, str attention) -> Tensor"
+        "Tensor block_tables, Tensor q_pos, float scale, int window, float softcap, str attention, "
+        "Tensor? sinks=None) -> Tensor"
     )
     return define_composite("paged_decode", schema, _paged_decode, _paged_decode_fake)

@@ -24,7 +24,7 @@ from ..kernels.ops import Choice, choose, op
 from .core import quantize
 from .linear import DECODE_MAX_ROWS, KERNEL_DTYPES
 
-__all__ = ["LAYOUT", "PROJECTIONS", "Int8Experts", "experts_choice", "quantize_experts"]
+__all__ = ["LAYOUT", "PROJECTIONS", "Int8Experts", "check_layout", "experts_choice", "quantize_experts"]
 
 #: the storage Transformers' experts modules declare (``use_experts_implementation``) that :class:`Int8Experts` reads
 LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
@@ -180,14 +180,21 @@ class Int8Experts(nn.Module):
         return f"num_experts={e}, hidden={k}, intermediate={n // 2}, group_size={self.group_size}"
 
 
-def quantize_experts(model: nn.Module, spec: ArchSpec) -> int:
+def quantize_experts(model: nn.Module, spec: ArchSpec) -> tuple[int, list[str]]:
     """Replace every float experts module of ``model``'s MoE layers by an :class:`Int8Experts` (on the experts'
-    device), in place and unrecorded: for a private copy such as a self-speculative draft. Returns how many were
-    replaced."""
-    replaced = 0
+    device), in place and unrecorded: for a private copy such as a self-speculative draft. Experts stored another way
+    (:func:`check_layout`: GPT-OSS's biased, transposed ones) stay as they are. Returns how many were replaced, and
+    why the others stayed (one reason per kind)."""
+    replaced, kept = 0, set()
     for name, experts in named_experts(model, spec):
-        if not isinstance(experts, Int8Experts):
-            parent, attr = parent_and_name(model, name)
-            setattr(parent, attr, Int8Experts.from_module(experts))
-            replaced += 1
-    return replaced
+        if isinstance(experts, Int8Experts):
+            continue
+        try:
+            check_layout(experts)
+        except TypeError as err:
+            kept.add(str(err))
+            continue
+        parent, attr = parent_and_name(model, name)
+        setattr(parent, attr, Int8Experts.from_module(experts))
+        replaced += 1
+    return replaced, sorted(kept)

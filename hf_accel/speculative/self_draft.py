@@ -222,7 +222,10 @@ class SelfSpeculative(DraftModel):
         if weights == "int8":  # the int8 feature's own swap, on the copy (its float weights are released)
             floats = len(int8_targets(draft, get_spec(draft), Int8Config()))
             quantize_linears(draft, get_spec(draft), Int8Config(), Recorder())
-            floats += quantize_experts(draft, get_spec(draft))  # int8 experts of its own, from shared float ones
+            experts, kept = quantize_experts(draft, get_spec(draft))  # int8 experts of its own, from float ones
+            floats += experts
+            if kept:
+                logger.warning("hf_accel: the int8 draft keeps its experts in float (%s)", "; ".join(kept))
             if not floats and not cut:
                 raise IncompatibleOptionsError(
                     "SelfSpeculative(weights='int8') of a model whose linears (and experts) are int8 already: the "

@@ -241,7 +241,8 @@ void write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torc
 namespace hf_accel::cpu {
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                              torch::Tensor q_pos, double scale, int64_t window, double softcap);
+                              torch::Tensor q_pos, double scale, int64_t window, double softcap,
+                              std::optional<torch::Tensor> sinks);
 
 namespace {
 
@@ -374,7 +375,7 @@ torch::Tensor decoder_layers_paged(torch::Tensor h, const std::vector<torch::Ten
     flat_k.index_copy_(0, targets, all ? k : k.index_select(0, stored));
     flat_v.index_copy_(0, targets, all ? v : v.index_select(0, stored));
     const auto queries = q.view({B, C, heads, D}).permute({0, 2, 1, 3});  // [B, H, C, D] strided
-    attn.copy_(paged_attention(queries, kp, vp, block_tables, q_pos, scaling, 0, 0.0).view({B * C, heads * D}));
+    attn.copy_(paged_attention(queries, kp, vp, block_tables, q_pos, scaling, 0, 0.0, std::nullopt).view({B * C, heads * D}));
   };
   return run_layers(h, flat, k_pools.size(), cs, sn, heads, kv_heads, eps, mode, attend);
 }

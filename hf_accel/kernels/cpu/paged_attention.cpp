@@ -199,9 +199,10 @@ void attend_split(const Geometry& g, const float* qbuf, const int32_t* rpos, con
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& block_tables, const torch::Tensor& q_pos, double scale, int64_t window,
-         double softcap, torch::Tensor& out) {
+         double softcap, const float* sinks, torch::Tensor& out) {
   // q: [B, Hq, Q, D] (any strides); pools: [NB, BS, Hkv, D] contiguous; block_tables: [B, MB] int32;
-  // q_pos: [B, Q] int32 (token index of each query in its sequence, -1 = padding); out: [B, Q, Hq, D].
+  // q_pos: [B, Q] int32 (token index of each query in its sequence, -1 = padding); sinks: [Hq] float32 logits
+  // that join each head's softmax without reading a value (nullptr: none); out: [B, Q, Hq, D].
   Geometry g;
   g.B = q.size(0), g.Hq = q.size(1), g.Q = q.size(2), g.D = q.size(3);
   g.BS = k_pool.size(1), g.Hkv = k_pool.size(2), g.MB = block_tables.size(1);
@@ -254,9 +255,14 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
         float mx = kNegInf;
         for (int64_t sp = 0; sp < g.splits; ++sp)
           mx = std::max(mx, parts[((grp * g.splits + sp) * R) * (D + 2) + R * D + r]);
+        const int64_t gi = r / g.Q, j = r % g.Q, h = kvh * g.G + gi;
         std::fill(acc.begin(), acc.end(), 0.f);
         float total = 0.f;
         if (mx != kNegInf) {
+          if (sinks != nullptr) {  // the sink's logit joins the softmax (a padding query stays all zeros)
+            mx = std::max(mx, sinks[h]);
+            total = std::exp(sinks[h] - mx);
+          }
           for (int64_t sp = 0; sp < g.splits; ++sp) {
             const float* base = parts.data() + (grp * g.splits + sp) * R * (D + 2);
             const float ms = base[R * D + r];
@@ -266,7 +272,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
             axpy(acc.data(), w, base + r * D, D);
           }
         }
-        const int64_t gi = r / g.Q, j = r % g.Q, h = kvh * g.G + gi;
         T* dst = op + ((b * g.Q + j) * g.Hq + h) * D;
         const float inv = total > 0.f ? 1.f / total : 0.f;  // a padding query (no visible token) gets zeros
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
@@ -280,7 +285,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 namespace hf_accel::cpu {
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
-                              torch::Tensor q_pos, double scale, int64_t window, double softcap) {
+                              torch::Tensor q_pos, double scale, int64_t window, double softcap,
+                              std::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(), "bad shapes");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(), "dtype mismatch");
@@ -291,18 +297,27 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(q_pos.size(0) == q.size(0) && q_pos.size(1) == q.size(2), "q_pos must be [B, Q]");
   auto tables = block_tables.contiguous();
   auto pos = q_pos.contiguous();
+  torch::Tensor sink;  // [Hq] float32, or undefined
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be [H_q]");
+    sink = sinks->to(torch::kFloat).contiguous();
+  }
+  const float* sp = sink.defined() ? sink.data_ptr<float>() : nullptr;
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   switch (q.scalar_type()) {
-    case torch::kFloat: run<float>(q, k_pool, v_pool, tables, pos, scale, window, softcap, out); break;
-    case torch::kBFloat16: run<at::BFloat16>(q, k_pool, v_pool, tables, pos, scale, window, softcap, out); break;
-    case torch::kHalf: run<at::Half>(q, k_pool, v_pool, tables, pos, scale, window, softcap, out); break;
+    case torch::kFloat: run<float>(q, k_pool, v_pool, tables, pos, scale, window, softcap, sp, out); break;
+    case torch::kBFloat16: run<at::BFloat16>(q, k_pool, v_pool, tables, pos, scale, window, softcap, sp, out); break;
+    case torch::kHalf: run<at::Half>(q, k_pool, v_pool, tables, pos, scale, window, softcap, sp, out); break;
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
 }
 
 void register_paged_attention(pybind11::module_& m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block pool (AVX2 code in every build)");
+  m.def("paged_attention", &paged_attention, "paged attention over a block pool (AVX2 code in every build)",
+        pybind11::arg("q"), pybind11::arg("k_pool"), pybind11::arg("v_pool"), pybind11::arg("block_tables"),
+        pybind11::arg("q_pos"), pybind11::arg("scale"), pybind11::arg("window"), pybind11::arg("softcap"),
+        pybind11::arg("sinks") = pybind11::none());
 }
 
 }  // namespace hf_accel::cpu
