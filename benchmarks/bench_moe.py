@@ -4,9 +4,9 @@
     python benchmarks/bench_moe.py [--arch qwen3_moe] [--techniques baseline,default,paged,...] [--batch 1 4]
 
 No MoE checkpoint travels with the repository, so the model is a seeded random one shaped like a scaled-down
-Qwen3-30B-A3B (``--arch qwen3_moe``; ``mixtral`` and the other MoE entries of the registry take the same counts):
-hidden 1024, 8 layers, 16 query / 4 K/V heads of 64, 32 experts of 512 with 4 per token, SmolLM2's tokenizer and
-vocabulary, ``initializer_range`` 0.02, float32 (about 2.1 GB). Random weights choose experts about uniformly, as
+Qwen3-30B-A3B (``--arch qwen3_moe``; ``mixtral``, ``gpt_oss`` and the other MoE entries of the registry take the same
+counts): hidden 1024, 8 layers, 16 query / 4 K/V heads of 64, 32 experts of 512 with 4 per token, SmolLM2's tokenizer
+and vocabulary, ``initializer_range`` 0.02, float32 (about 2.1 GB). Random weights choose experts about uniformly, as
 trained routers roughly do, but what prompt lookup accepts on random text says nothing: the speculative rows' own
 figure is the cost of one k-token verification against a one-token step (``--step-costs``), printed first: a MoE
 verification reads up to k times as many experts as a one-token step.
@@ -43,11 +43,14 @@ SHAPE = dict(
     initializer_range=0.02,
     tie_word_embeddings=False,
 )
+#: per-architecture names for the same counts (GPT-OSS calls its experts' size ``intermediate_size``; its layers
+#: alternate a 128-token sliding window and full attention, each with attention sinks, as GPT-OSS-20B's do)
+ARCH_SHAPE = {"gpt_oss": dict(intermediate_size=512, sliding_window=128)}
 
 
 def build(arch: str, vocab: int, tokenizer) -> torch.nn.Module:
     """The seeded random MoE model (float32, eval mode)."""
-    config = AutoConfig.for_model(arch, vocab_size=vocab, **SHAPE)
+    config = AutoConfig.for_model(arch, vocab_size=vocab, **{**SHAPE, **ARCH_SHAPE.get(arch, {})})
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(0)

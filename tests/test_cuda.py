@@ -112,11 +112,12 @@ def test_engine_equals_single_requests(device, compiled):
         assert model.forward.steps > 0 and model.forward.static_shapes
 
 
-def test_moe_int8_experts_and_paged_on_the_device(device):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])  # gpt_oss: attention sinks, biased transposed experts
+def test_moe_int8_experts_and_paged_on_the_device(device, arch):
     """A mixture of experts with int8 experts (on CUDA the Triton kernel reads each pair's expert on the device) gives
     the tokens of the float model holding its de-quantized weights, paged and with prompt lookup."""
-    twin = hf_accel.unpatch_model(hf_accel.patch_model(tiny_model("mixtral"), int8=True, **PLAIN_PATH)).to(device)
-    patched = hf_accel.patch_model(tiny_model("mixtral"), int8=True, **PLAIN_PATH, paged=_paged(device)).to(device)
+    twin = hf_accel.unpatch_model(hf_accel.patch_model(tiny_model(arch), int8=True, **PLAIN_PATH)).to(device)
+    patched = hf_accel.patch_model(tiny_model(arch), int8=True, **PLAIN_PATH, paged=_paged(device)).to(device)
     ids, mask = _batch(device)
     expected = twin.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **NO_EOS)
     for extra in ({}, {"paged": True}, {"paged": True, "prompt_lookup": True, "num_speculative_tokens": 3}):

@@ -129,8 +129,11 @@ def test_patch_report_says_what_runs_the_experts():
     assert choice["why"].startswith("2 MoE layers in float: ")
     assert set(choice["not"]) == {"fused gated MLP", "hf_accel Int8Experts"}
     assert choice["not"]["hf_accel Int8Experts"].startswith("runs with int8=")
-    gpt_oss = hf_accel.patch_report(hf_accel.patch_model(tiny_model("gpt_oss")))["implementations"]["moe"]["experts"]
-    assert gpt_oss["not"]["hf_accel Int8Experts"].startswith("int8= leaves these experts in float: GptOssExperts")
+    ungated = tiny_model("mixtral")
+    for layer in ungated.model.layers:
+        layer.mlp.experts.has_gate = False
+    report = hf_accel.patch_report(hf_accel.patch_model(ungated))["implementations"]["moe"]["experts"]
+    assert report["not"]["hf_accel Int8Experts"].startswith("int8= leaves these experts in float: MixtralExperts")
     dense = hf_accel.patch_model(tiny_model("llama"))
     assert "moe" not in hf_accel.patch_report(dense)["implementations"]
 
@@ -233,6 +236,6 @@ def test_int8_experts_equal_the_experts_module_on_their_own_dequantized_weights(
 
 def test_int8_experts_refuse_a_layout_they_do_not_read():
     experts = tiny_model("mixtral").model.layers[0].mlp.experts
-    experts.is_transposed = True
-    with pytest.raises(TypeError, match=r"MixtralExperts stores its experts as .*'is_transposed': True"):
+    experts.has_gate = False  # an up projection alone: no gate for Int8Experts to apply
+    with pytest.raises(TypeError, match=r"MixtralExperts stores its experts as .*'has_gate': False"):
         Int8Experts.from_module(experts)

@@ -33,19 +33,11 @@ def _dequantized_twin(arch: str, **config) -> torch.nn.Module:
     return hf_accel.unpatch_model(twin)
 
 
-#: GPT-OSS stores its experts biased, transposed and interleaved: the int8 feature leaves them in float
-OTHER_LAYOUT = ("gpt_oss",)
-
-
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_int8_experts_compute_the_float_model_on_their_dequantized_weights(arch):
     ids, mask = random_batch(3, [4, 11, 8], seed=3)
     model = hf_accel.patch_model(tiny_model(arch), int8=True)
-    kind = type(tiny_model(arch).model.layers[-1].mlp.experts) if arch in OTHER_LAYOUT else Int8Experts
-    assert all(type(m) is kind for m in _experts(model, arch)) and _experts(model, arch)
-    if arch in OTHER_LAYOUT:
-        note = f"experts left in float ({kind.__name__} stores its experts as"
-        assert any(n.startswith(note) for n in hf_accel.patch_report(model)["changes"]["int8"])
+    assert all(isinstance(m, Int8Experts) for m in _experts(model, arch)) and _experts(model, arch)
     twin = _dequantized_twin(arch)
     with torch.no_grad():
         got, want = model(input_ids=ids, attention_mask=mask).logits, twin(input_ids=ids, attention_mask=mask).logits
@@ -104,7 +96,7 @@ def test_group_sizes_and_w8a8_on_experts():
     assert "experts weight-only (W8A8 covers the linears)" in hf_accel.patch_report(w8a8)["changes"]["int8"]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "glm4_moe", "gpt_oss"])
 def test_int8_experts_in_the_compiled_step_match_eager_int8(arch):
     torch._dynamo.reset()
     ids, mask = random_batch(2, [5, 9], seed=4)
@@ -128,7 +120,8 @@ def test_self_speculative_draft_of_an_int8_target_shares_its_int8_experts():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # per-expert w1 / w3 / w2 keys; gate / up / down keys
+# per-expert w1 / w3 / w2 keys; gate / up / down keys; GPT-OSS's transposed 3-D weights and biases
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_quantize_while_loading_equals_patching_and_round_trips(tmp_path, arch):
     hf_accel.register_quantizer()
     try:
@@ -154,14 +147,43 @@ def test_quantize_while_loading_equals_patching_and_round_trips(tmp_path, arch):
         hf_accel.unregister_quantizer()
 
 
-def test_save_pretrained_writes_the_dequantized_experts_plain_transformers_loads(tmp_path):
-    model = hf_accel.patch_model(tiny_model("qwen2_moe"), int8=True)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])  # gpt_oss: written back [E, in, out], with its biases
+def test_save_pretrained_writes_the_dequantized_experts_plain_transformers_loads(tmp_path, arch):
+    model = hf_accel.patch_model(tiny_model(arch), int8=True)
     model.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids, mask = random_batch(2, [4, 7])
     with torch.no_grad():
-        want = _dequantized_twin("qwen2_moe")(input_ids=ids, attention_mask=mask).logits
+        want = _dequantized_twin(arch)(input_ids=ids, attention_mask=mask).logits
         assert torch.equal(plain(input_ids=ids, attention_mask=mask).logits, want)
+
+
+def test_save_quantized_round_trips_biased_transposed_experts(tmp_path):
+    """GPT-OSS's int8 experts: [E, out, in] int8, scales and the float biases, written and read back bitwise."""
+    model = hf_accel.patch_model(tiny_model("gpt_oss"), int8=True)
+    hf_accel.save_quantized(model, tmp_path)
+    loaded = hf_accel.load_quantized(tmp_path)
+    experts = _experts(loaded, "gpt_oss")[0]
+    assert isinstance(experts, Int8Experts) and experts.transposed and experts.down_proj_bias.dtype == torch.float32
+    ids, mask = random_batch(2, [4, 9])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(loaded(input_ids=ids, attention_mask=mask).logits, want)
+
+
+def test_experts_of_a_quantized_checkpoint_stay_as_they_are_with_the_reason(caplog):
+    """GPT-OSS's Hub experts are MXFP4 (packed uint8): int8 leaves them, and says to load them de-quantized."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    model = tiny_model("gpt_oss")
+    for layer in model.model.layers:
+        layer.mlp.experts = Mxfp4GptOssExperts(model.config)
+    with caplog.at_level(logging.WARNING, logger="hf_accel"):
+        hf_accel.patch_model(model, int8=True)
+    assert all(type(m) is Mxfp4GptOssExperts for m in _experts(model, "gpt_oss"))
+    reason = "Mxfp4GptOssExperts.gate_up_proj holds torch.uint8, not float weights"
+    assert any(reason in note for note in hf_accel.patch_report(model)["changes"]["int8"]) and reason in caplog.text
+    assert "Mxfp4Config(dequantize=True)" in caplog.text
 
 
 def test_an_int8_checkpoint_with_float_experts_still_loads_and_a_bad_one_is_refused(tmp_path):

@@ -30,7 +30,7 @@ from ..core.recorder import Recorder
 from ..core.registry import ArchSpec, get_attr_path, named_experts, parent_and_name, resolve
 from .apply import can_tie_embedding, int8_experts_kept, int8_targets, quantize_linears
 from .core import QuantizedWeight, quantize
-from .experts import PROJECTIONS, Int8Experts
+from .experts import PROJECTIONS, Int8Experts, quantize_stack
 from .linear import Int8Embedding, Int8Linear
 from .model_apis import bind_model_apis
 
@@ -131,15 +131,14 @@ class Int8Quantize(ConversionOps):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         value = next(iter(input_dict.values()))
-        value = value[0] if isinstance(value, list) else value  # weight: [N, K] float (experts: [E, N, K])
+        value = value[0] if isinstance(value, list) else value  # weight: [N, K] float (experts: [E, N, K] / [E, K, N])
         prefix = full_layer_name.rpartition(".")[0]
         module = model.get_submodule(prefix)
-        if isinstance(module, Int8Experts):  # gate_up_proj / down_proj: [E, N, K] float -> int8 + [E, N, G] scales
-            e, n, k = value.shape
-            qw = quantize(value.reshape(e * n, k), self.hf_quantizer.options.group_size)
+        if isinstance(module, Int8Experts):  # gate_up_proj / down_proj: float -> int8 [E, N, K] + [E, N, G] scales
+            qweight, scale = quantize_stack(value, module.transposed, self.hf_quantizer.options.group_size)
             if missing_keys is not None:
                 missing_keys.discard(full_layer_name)
-            return {full_layer_name: qw.qweight.view(e, n, k), f"{full_layer_name}_scale": qw.scale.view(e, n, -1)}
+            return {full_layer_name: qweight, f"{full_layer_name}_scale": scale}
         qw = quantize(value, module.group_size)  # [N, K] int8 + [N, G] float32, on the tensor's device
         del module.weight  # the float placeholder: never materialised
         if missing_keys is not None:
@@ -267,7 +266,11 @@ def _experts_placeholders(model: nn.Module, spec: ArchSpec, options: Int8Config)
 
 
 def _check_loaded_experts(name: str, module: Int8Experts) -> None:
-    """Raise unless every int8 tensor of ``module`` loaded as int8 with its scales."""
+    """Raise unless every int8 tensor of ``module`` loaded as int8 with its scales (and its biases, where it has
+    them)."""
+    for key, bias in module.named_parameters():
+        if bias.is_meta:
+            raise CheckpointError(f"{name}: the checkpoint holds no {key} for these experts")
     for proj in PROJECTIONS:
         weight, scale = module.get_buffer(proj), module.get_buffer(f"{proj}_scale")
         if weight.is_meta or scale.is_meta or weight.dtype != torch.int8:
