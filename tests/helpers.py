@@ -6,13 +6,14 @@ import threading
 from collections.abc import Callable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from hf_accel.core.config import SpeculativeConfig
 from hf_accel.core.registry import ARCHITECTURES, supported_model_types
 
-#: every registered architecture with mixtures of experts (tests/test_moe.py runs each through every feature)
-MOE_ARCHS = [mt for mt in supported_model_types() if ARCHITECTURES[mt].experts is not None]
+#: every registered architecture with mixtures of experts (tests/test_moe.py runs each through every feature) that
+#: this Transformers knows (the newest ones came in 5.25)
+MOE_ARCHS = [mt for mt in supported_model_types() if ARCHITECTURES[mt].experts is not None and mt in CONFIG_MAPPING]
 #: the MoE architectures the whole per-architecture matrix also runs: plain experts; dense first layers and shared
 #: experts; a router whose linear is read directly (Qwen2-MoE's gated shared expert: tests/test_moe.py)
 MOE_MATRIX = ["mixtral", "glm4_moe", "hunyuan_v1_moe"]
@@ -58,6 +59,11 @@ _TINY_ARCH = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # a dense layer 0 and a MoE layer 1; sliding and full attention; Laguna's query heads differ per layer
+    "laguna": dict(_MOE, mlp_layer_types=["dense", "sparse"], num_attention_heads_per_layer=[4, 8], sliding_window=6),
+    "mellum": dict(_MOE, mlp_layer_types=["dense", "sparse"], sliding_window=6),
+    "granitemoe_swa": dict(_MOE, sliding_window=6, shared_intermediate_size=64),
+    "granitemoeshared": dict(_MOE, shared_intermediate_size=64),  # the shared MLP beside the experts
     "smollm3": dict(no_rope_layer_interval=2),  # layer 1 is a NoPE layer (the default puts one in every 4th)
     # queries scaled by position from position 8 on (Llama 4's attention scaling; from 16,384 by default)
     "ministral3": dict(
@@ -78,7 +84,7 @@ _TINY_ARCH = {
 
 #: architectures whose default layers would all be sliding at two layers: theirs alternate sliding and full here
 #: (cohere2's and exaone4's full layers have no rotary embedding)
-_ALTERNATING = ("ministral", "olmo3", "cohere2", "exaone4")
+_ALTERNATING = ("ministral", "olmo3", "cohere2", "exaone4", "laguna", "mellum")
 
 
 def tiny_config(model_type: str, **overrides):

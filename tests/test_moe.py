@@ -20,7 +20,7 @@ from hf_accel.quant.experts import Int8Experts
 from hf_accel.speculative import SelfSpeculative
 
 #: the layers of the 2-layer tiny models whose MLP is a mixture of experts (the rest keep a dense first layer)
-DENSE_FIRST = {"glm4_moe", "ernie4_5_moe", "exaone_moe"}
+DENSE_FIRST = {"glm4_moe", "ernie4_5_moe", "exaone_moe", "laguna", "mellum", "hy_v3"}
 
 
 def moe_layers(arch: str) -> tuple[int, ...]:
@@ -29,9 +29,10 @@ def moe_layers(arch: str) -> tuple[int, ...]:
 
 def test_every_moe_architecture_is_listed_and_the_matrix_holds_each_form():
     assert set(MOE_MATRIX) <= set(MOE_ARCHS)
-    assert set(MOE_ARCHS) == {
+    assert {mt for mt, spec in ARCHITECTURES.items() if spec.experts is not None} == {
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "glm4_moe", "ernie4_5_moe", "hunyuan_v1_moe",
-        "cohere2_moe", "exaone_moe", "phimoe", "granitemoe", "gpt_oss",
+        "cohere2_moe", "exaone_moe", "phimoe", "granitemoe", "gpt_oss", "minimax_m2", "solar_open", "laguna", "mellum",
+        "hy_v3", "granitemoeshared", "granitemoe_swa",
     }  # fmt: skip
 
 

@@ -90,6 +90,11 @@ _MOE_GATE = (
     "hunyuan_v1_moe",
     "cohere2_moe",
     "exaone_moe",
+    "minimax_m2",  # q/k norms over all heads, partial rotary embedding
+    "solar_open",  # grouped top-k routing, shared experts
+    "laguna",  # per-layer query heads, gated attention output, sliding and full layers
+    "mellum",  # per-head q/k norms, sliding and full layers
+    "hy_v3",  # a dense first layer, shared experts
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -133,7 +138,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("phimoe", experts="experts", router="router"),
         # attention sinks (s_aux) in every layer; experts stored [E, in, out] with biases (kept float by int8)
         ArchSpec("gpt_oss", experts="experts", router="router"),
-        ArchSpec("granitemoe", mlp="block_sparse_moe", experts="experts", router="router"),
+        *(
+            ArchSpec(mt, mlp="block_sparse_moe", experts="experts", router="router")
+            # granitemoe_swa: sliding and full layers with attention sinks; granitemoeshared: a shared MLP
+            for mt in ("granitemoe", "granitemoeshared", "granitemoe_swa")
+        ),
         ArchSpec(
             "glm4",
             gate_proj=None,
