@@ -6,16 +6,19 @@ compiled step (CUDA graphs on CUDA), the same with the portable attention and (o
 the Triton kernel, int8 weights + compiled step (on CUDA also with the de-quantize form in place of the Triton
 kernel), and the per-step costs of prompt lookup (a k-token verification chunk against a 1-token step). The 8B
 shape runs batch 1 without the other attention candidates, as does ``--shapes moe`` (a mixture of experts:
-Qwen3-30B-A3B's layers, 12 of them; with int8 its experts run hf_accel's Triton experts kernel). Batch 32 of mixed
-prompt lengths: plain ``generate``, Transformers ``generate_batch`` (continuous batching), hf_accel paged + compiled
-and ``Engine`` (with its KV utilisation: tokens held over the slots of the blocks held, per step). Columns: decode
-tok/s (after the first token), throughput (all new tokens over the whole call), time to first token, peak memory,
-speed over plain ``generate`` at the same batch (decode tok/s where a path has it, else throughput), whether greedy
-tokens equal plain's, and on CUDA the host synchronisations per new token (CUDA's sync debug mode, one more call).
+Qwen3-30B-A3B's layers, 12 of them; with int8 its experts run hf_accel's Triton experts kernel) and
+``--shapes gpt-oss`` (GPT-OSS-20B's layers, 6 of them: attention sinks in the paged kernels, biased int8 experts).
+Batch 32 of mixed prompt lengths: plain ``generate``, Transformers ``generate_batch`` (continuous batching), hf_accel
+paged + compiled and ``Engine`` (with its KV utilisation: tokens held over the slots of the blocks held, per step).
+Columns: decode tok/s (after the first token), throughput (all new tokens over the whole call), time to first token,
+peak memory, speed over plain ``generate`` at the same batch (decode tok/s where a path has it, else throughput),
+whether greedy tokens equal plain's, and on CUDA the host synchronisations per new token (CUDA's sync debug mode, one
+more call).
 
     python benchmarks/gpu/bench_gpu.py --device cuda --shapes 1b,8b --out OUT   # what check.sh runs
     python benchmarks/gpu/bench_gpu.py --device cpu --shapes tiny --new-tokens 8 --backend eager  # CPU smoke
     python benchmarks/gpu/bench_gpu.py --device cuda --shapes moe --out OUT     # SKIP_TESTS=1 SHAPES=moe check.sh
+    python benchmarks/gpu/bench_gpu.py --device cuda --shapes gpt-oss --out OUT  # SKIP_TESTS=1 SHAPES=gpt-oss
 """
 
 from __future__ import annotations
@@ -55,21 +58,31 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B geometry; "tiny" for CPU smoke runs
     "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True),
+    # GPT-OSS-20B's layer (32 experts of 2880 with biases, 4 per token; attention sinks; a 128-token window on
+    # alternate layers) in 6 of its 24 layers (~6.1B parameters); Transformers runs it with eager attention (no SDPA)
+    "gpt-oss": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                    num_experts_per_tok=4, num_hidden_layers=6, num_attention_heads=64, num_key_value_heads=8,
+                    head_dim=64, sliding_window=128, vocab_size=201088, tie_word_embeddings=False, attn="eager"),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256, num_local_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=32, sliding_window=16, vocab_size=2048, tie_word_embeddings=True, attn="eager"),
 }  # fmt: skip
+#: the shapes that run batch 1 and the int8 comparison only
+BIG = ("8b", "moe", "gpt-oss")
 PROMPT = 128
 PLAIN = dict(compile=False, native=False, speculative=SpeculativeConfig(auto=None))
 
 
 def build(shape: str, device: str, dtype: torch.dtype) -> Any:
     fields = dict(SHAPES[shape])
-    model_type = fields.pop("model_type", None)
+    model_type, attn = fields.pop("model_type", None), fields.pop("attn", "sdpa")
     if model_type is None:
         config = LlamaConfig(**fields, max_position_embeddings=4096, rope_theta=500000.0)
     else:
         config = AutoConfig.for_model(model_type, **fields, max_position_embeddings=4096)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 
@@ -351,7 +364,7 @@ def measure_shape(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     except Exception as err:
         traceback.print_exc()
         return [{"path": "build the model", "batch": 0, "error": f"{type(err).__name__}: {err}"[:300]}]
-    args.big = shape in ("8b", "moe")  # the 8B and MoE shapes: batch 1 and the int8 comparison only
+    args.big = shape in BIG  # batch 1 and the int8 comparison only
     rows = batch1(model, args.device, args.new_tokens, args)
     if not args.big and not out_of_time(args):
         rows += batch32(model, args.device, args.new_tokens, args)

@@ -7,7 +7,8 @@
 # (carry .whl). DEVICE=cpu runs the CPU-side parts (the same scripts on a tiny model, no CUDA tests), as CI's
 # test_gpu_check does. Paths that would start after the benchmark's budget are listed as skipped: compiling every
 # path at both shapes does not fit 8 minutes, so a second call, SKIP_TESTS=1 (the 8B shape, a longer budget),
-# measures what the first skipped.
+# measures what the first skipped. SKIP_TESTS=1 SHAPES=moe and SHAPES=gpt-oss measure the mixtures of experts
+# (Qwen3-30B-A3B's and GPT-OSS-20B's layers: int8 experts, attention sinks).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-${1:-benchmarks/gpu/out}}
