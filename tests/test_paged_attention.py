@@ -85,13 +85,18 @@ def test_kernel_half_precision_pools(dtype):
         assert_close(got[row].transpose(0, 1).float(), expected, atol=2 * eps, rtol=2 * eps, name=str(dtype))
 
 
-def test_dense_reference_matches_explicit_softmax():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (
+def _qkv(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[4, 3, 8]`` (4 query heads, 3 queries) and k / v ``[2, 10, 8]`` (2 K/V heads, 10 tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (
         torch.randn(4, 3, 8, generator=gen),
         torch.randn(2, 10, 8, generator=gen),
         torch.randn(2, 10, 8, generator=gen),
     )
+
+
+def test_dense_reference_matches_explicit_softmax():
+    q, k, v = _qkv(0)
     positions = [5, 6, 9]
     got = dense_attention(q, k, v, positions, 0.3, window=4)
     kk, vv = k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)
@@ -107,12 +112,7 @@ def test_dense_reference_with_sinks_matches_gpt_oss_eager_attention(window):
     """The reference's sinks are GPT-OSS's: Transformers' own eager attention of that model, on the same inputs."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (
-        torch.randn(4, 3, 8, generator=gen),
-        torch.randn(2, 10, 8, generator=gen),
-        torch.randn(2, 10, 8, generator=gen),
-    )
+    q, k, v = _qkv(1)
     positions = [5, 6, 9]
     module = torch.nn.Module().eval()
     module.num_key_value_groups, module.sinks = 2, sink_logits(4)
