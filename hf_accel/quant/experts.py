@@ -102,6 +102,8 @@ def _gating(experts: nn.Module) -> nn.Module:
     shell._parameters, shell._buffers = {}, {}
     shell._modules = {k: m for k, m in experts._modules.items() if next(m.parameters(), None) is None}
     shell._forward_hooks, shell._forward_pre_hooks = {}, {}
+    for name in ("forward", "_old_forward", "_hf_hook"):  # an accelerate hook's wrapped forward holds the module
+        shell.__dict__.pop(name, None)
     return shell
 
 
