@@ -9,7 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import PAD, assert_close, generate_in_threads, random_batch, tiny_model
+from helpers import PAD, assert_close, generate_in_threads, random_batch, sink_logits, tiny_model
 
 import hf_accel
 from hf_accel import CompileConfig, Engine, Int8Config, PagedConfig, SpeculativeConfig
@@ -192,12 +192,12 @@ def test_triton_and_portable_attention_on_the_gpu(dtype, atol):
     from hf_accel.kernels import reference, triton_paged
 
     args = [t.cuda() for t in _case(5, 8, 2, 3, 128, 16, dtype)]  # poisoned pools, stale table entries
-    expected = reference.paged_attention(*args, 0.1, 0, 0.0)
+    sinks = sink_logits(8).cuda()  # GPT-OSS's attention sinks
     for name, fn in (("triton", triton_paged.paged_attention), ("portable", portable.paged_attention)):
-        for window, softcap in ((0, 0.0), (7, 0.0), (0, 30.0)):
-            want = expected if (window, softcap) == (0, 0.0) else reference.paged_attention(*args, 0.1, window, softcap)
-            assert_close(fn(*args, 0.1, window, softcap).float(), want.float(), atol=atol, rtol=1e-3,
-                         name=f"{name} {dtype} window={window} softcap={softcap}")  # fmt: skip
+        for window, softcap, sink in ((0, 0.0, None), (7, 0.0, None), (0, 30.0, None), (7, 0.0, sinks)):
+            want = reference.paged_attention(*args, 0.1, window, softcap, sink)
+            assert_close(fn(*args, 0.1, window, softcap, sink).float(), want.float(), atol=atol, rtol=1e-3,
+                         name=f"{name} {dtype} window={window} softcap={softcap} sinks={sink is not None}")  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -209,12 +209,19 @@ def test_flex_attention_on_the_gpu(dtype, atol):
 
     from hf_accel.kernels import flex_paged, reference
 
+    torch._dynamo.reset()  # one dtype's variants (soft-capping, sinks) per test: within the recompile limit
     for shape in ((5, 8, 2, 3, 128, 16), (1, 8, 2, 1, 128, 16), (8, 32, 8, 4, 64, 16)):
         args = [t.cuda() for t in _case(*shape, dtype)]  # stale table entries, a released row, a padding hole
-        for window, softcap in ((0, 0.0), (7, 0.0), (0, 30.0)):
-            want = reference.paged_attention(*args, 0.1, window, softcap)
-            assert_close(flex_paged.paged_attention(*args, 0.1, window, softcap).float(), want.float(), atol=atol,
-                         rtol=1e-3, name=f"flex {shape} {dtype} window={window} softcap={softcap}")  # fmt: skip
+        sinks = sink_logits(shape[1]).cuda()  # through the log-sum-exp (Inductor's CPU lowering has none)
+        for window, softcap, sink in ((0, 0.0, None), (7, 0.0, None), (0, 30.0, None), (7, 0.0, sinks)):
+            want = reference.paged_attention(*args, 0.1, window, softcap, sink)
+            assert_close(
+                flex_paged.paged_attention(*args, 0.1, window, softcap, sink).float(),
+                want.float(),
+                atol=atol,
+                rtol=1e-3,
+                name=f"flex {shape} {dtype} window={window} sinks={sink is not None}",
+            )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -224,7 +231,7 @@ def test_flex_attention_on_the_gpu(dtype, atol):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
 def test_flex_greedy_identical_on_the_gpu(arch):
     """``attention="flex"`` in float32 on CUDA: eager paged decode, verification chunks and the graph-captured step
     give the unpatched model's tokens."""
